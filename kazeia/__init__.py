@@ -1,0 +1,8 @@
+"""Kazeia: a Qwen3-TTS 12 Hz speech engine in plain PyTorch."""
+
+from .config import CheckpointError
+from .engine import SAMPLE_RATE, Engine, Metrics, Speech
+from .sampling import SamplingOptions
+
+__all__ = ["Engine", "Speech", "Metrics", "SamplingOptions", "CheckpointError", "SAMPLE_RATE"]
+__version__ = "0.1.0"

@@ -1,0 +1,125 @@
+"""The `kazeia` command: say, voices, random-checkpoint.
+
+Thin: parse arguments, call the engine, write files, print figures. Bad input exits with status 2
+and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("KAZEIA_MODEL", DEFAULT_MODEL),
+                   help="checkpoint directory or hub id (default: $KAZEIA_MODEL or %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="talker and code-predictor weight precision (default: float32)")
+    p.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")
+    p.add_argument("--tokenizer-regex", default="qwen2", choices=["qwen2", "reference-local"],
+                   help="text split regex (default: qwen2; see docs)")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
+    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample codebook 0 (--no-do-sample: greedy)")
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--max-new-tokens", type=int, help="talker tokens at most (frames <= this - 1)")
+    g.add_argument("--subtalker-dosample", action=argparse.BooleanOptionalAction, default=None,
+                   help="sample codebooks 1..15 (--no-subtalker-dosample: greedy)")
+    g.add_argument("--subtalker-temperature", type=float)
+    g.add_argument("--subtalker-top-k", type=int)
+    g.add_argument("--subtalker-top-p", type=float)
+    g.add_argument("--greedy", action="store_true", help="shorthand for --no-do-sample --no-subtalker-dosample")
+
+
+SAMPLING_FLAGS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens",
+                  "subtalker_dosample", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kazeia", description="Qwen3-TTS speech synthesis.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    say = sub.add_parser("say", help="synthesize text to an audio file")
+    say.add_argument("text", help="the text to speak")
+    _model_args(say)
+    say.add_argument("--voice", help="preset speaker (CustomVoice checkpoints); see `kazeia voices`")
+    say.add_argument("--language", help="language name or auto (default: auto)")
+    say.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
+    say.add_argument("--seed", type=int, help="sampling seed (same seed, same audio)")
+    say.add_argument("--non-streaming-mode", action=argparse.BooleanOptionalAction, default=None,
+                     help="text layout: all text in the prompt (default for CustomVoice/VoiceDesign)")
+    say.add_argument("-o", "--output", default="out.wav", help="output file; format from the extension (default: %(default)s)")
+    _sampling_args(say)
+
+    voices = sub.add_parser("voices", help="list the voices and languages of a checkpoint")
+    _model_args(voices)
+
+    rnd = sub.add_parser("random-checkpoint", help="write a random-weight checkpoint (tests, demos, benchmarks)")
+    rnd.add_argument("directory")
+    rnd.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    rnd.add_argument("--kind", default="custom_voice", choices=["custom_voice", "voice_design"])
+    rnd.add_argument("--real-size", action="store_true", help="real dimensions (GBs) instead of tiny ones")
+    rnd.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _load(args):
+    from .engine import Engine
+
+    return Engine.load(args.model, device=args.device, dtype=args.dtype, tokenizer_regex=args.tokenizer_regex,
+                       offline=args.offline or None)
+
+
+def _say(args) -> int:
+    from .audio import write_audio
+
+    engine = _load(args)
+    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    if args.greedy:
+        sampling.update(do_sample=False, subtalker_dosample=False)
+    speech = engine.synthesize(args.text, voice=args.voice, language=args.language, instruct=args.instruct,
+                               seed=args.seed, non_streaming_mode=args.non_streaming_mode, **sampling)
+    write_audio(args.output, speech.audio, speech.sample_rate)
+    m = speech.metrics
+    print(f"{args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames) in {m.wall_s:.2f} s, "
+          f"RTF {m.rtf:.2f}, seed {m.seed}", file=sys.stderr)
+    return 0
+
+
+def _voices(args) -> int:
+    engine = _load(args)
+    print(f"model type: {engine.model_type}")
+    print("voices: " + (", ".join(engine.voices) or "(none: describe the voice with --instruct)"))
+    print("languages: " + ", ".join(engine.languages))
+    return 0
+
+
+def _random_checkpoint(args) -> int:
+    from .testing import write_checkpoint
+
+    path = write_checkpoint(args.directory, args.size, args.kind, tiny=not args.real_size, seed=args.seed)
+    print(f"wrote a random-weight {args.size} {args.kind} checkpoint to {path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run = {"say": _say, "voices": _voices, "random-checkpoint": _random_checkpoint}[args.command]
+    try:
+        return run(args)
+    except (ValueError, OSError) as e:
+        print(f"kazeia: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kazeia: interrupted", file=sys.stderr)
+        return 130

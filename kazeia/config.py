@@ -1,0 +1,262 @@
+"""Frozen configuration dataclasses read from a released checkpoint's JSON files.
+
+Scope: `config.json` (talker + code predictor), `speech_tokenizer/config.json` (the vocoder) and
+`generation_config.json` (sampling defaults). Every field the engine uses is read explicitly; a
+missing key is a `CheckpointError` naming the file and the key. Non-goal: the speech-tokenizer
+encoder and the speaker encoder (voice cloning) are not described here yet.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+MODEL_TYPE = "qwen3_tts"
+TOKENIZER_TYPE = "qwen3_tts_tokenizer_12hz"
+TTS_MODEL_TYPES = ("custom_voice", "voice_design", "base")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete or inconsistent; the message names the file or tensor."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object from `path`, turning every failure into a `CheckpointError`."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"missing file: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+class _Fields:
+    """Typed access to one JSON object; a missing key or a wrong type names file and key."""
+
+    def __init__(self, data: Mapping[str, Any], where: str):
+        self.data, self.where = data, where
+
+    def get(self, key: str, kind: type | tuple[type, ...] = object) -> Any:
+        if key not in self.data:
+            raise CheckpointError(f"{self.where}: missing key {key!r}")
+        value = self.data[key]
+        if kind in (int, float) and isinstance(value, bool):
+            raise CheckpointError(f"{self.where}: key {key!r} must be a number, got {value!r}")
+        if kind is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, kind):
+            raise CheckpointError(f"{self.where}: key {key!r} has unexpected value {value!r}")
+        return value
+
+    def sub(self, key: str) -> "_Fields":
+        return _Fields(self.get(key, dict), f"{self.where}.{key}")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A Qwen3 decoder stack (talker or code predictor)."""
+
+    hidden_size: int  # model width H
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention)
+    head_dim: int
+    intermediate_size: int  # SwiGLU width
+    rms_norm_eps: float
+    rope_theta: float
+
+    @classmethod
+    def read(cls, f: _Fields) -> "TransformerConfig":
+        return cls(
+            hidden_size=f.get("hidden_size", int),
+            num_layers=f.get("num_hidden_layers", int),
+            num_heads=f.get("num_attention_heads", int),
+            num_kv_heads=f.get("num_key_value_heads", int),
+            head_dim=f.get("head_dim", int),
+            intermediate_size=f.get("intermediate_size", int),
+            rms_norm_eps=f.get("rms_norm_eps", float),
+            rope_theta=f.get("rope_theta", float),
+        )
+
+
+@dataclass(frozen=True)
+class TalkerConfig:
+    """The talker: transformer dims plus its codec vocabulary and conditioning tables."""
+
+    stack: TransformerConfig
+    vocab_size: int  # codec vocabulary: 0..2047 codebook-0 codes, 2048..3071 control rows
+    text_vocab_size: int  # rows of the text embedding (151936)
+    text_hidden_size: int  # width of the text embedding (2048)
+    num_code_groups: int  # codebooks per frame (16)
+    codec_pad_id: int
+    codec_bos_id: int
+    codec_eos_id: int
+    codec_think_id: int
+    codec_nothink_id: int
+    codec_think_bos_id: int
+    codec_think_eos_id: int
+    language_ids: Mapping[str, int]  # lower-case language name -> codec row
+    speaker_ids: Mapping[str, int]  # lower-case speaker name -> codec row (CustomVoice only)
+    speaker_dialects: Mapping[str, str | None]  # speaker -> dialect language key, or None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Top-level `config.json` of a Qwen3-TTS 12 Hz checkpoint."""
+
+    tts_model_type: str  # "custom_voice" | "voice_design" | "base"
+    tts_model_size: str  # "0b6" | "1b7"
+    tts_pad_id: int  # text-track token ids
+    tts_bos_id: int
+    tts_eos_id: int
+    im_start_id: int
+    im_end_id: int
+    assistant_id: int
+    talker: TalkerConfig
+    code_predictor: TransformerConfig
+    code_predictor_vocab: int  # 2048 codes per residual codebook
+    transformers_version: str  # recorded by the exporter; decides the tokenizer regex quirk
+
+    @property
+    def has_mtp_projection(self) -> bool:
+        """True when talker and code predictor widths differ (1.7B: a 2048 -> 1024 projection)."""
+        return self.talker.stack.hidden_size != self.code_predictor.hidden_size
+
+    @classmethod
+    def from_file(cls, path: Path) -> "ModelConfig":
+        f = _Fields(read_json(path), str(path))
+        model_type = f.get("model_type", str)
+        if model_type != MODEL_TYPE:
+            raise CheckpointError(f"{path}: model_type is {model_type!r}, expected {MODEL_TYPE!r}")
+        kind = f.get("tts_model_type", str)
+        if kind not in TTS_MODEL_TYPES:
+            raise CheckpointError(f"{path}: unknown tts_model_type {kind!r}")
+        t = f.sub("talker_config")
+        cp = t.sub("code_predictor_config")
+        dialects = {k.lower(): (v or None) for k, v in t.get("spk_is_dialect", dict).items()}
+        talker = TalkerConfig(
+            stack=TransformerConfig.read(t),
+            vocab_size=t.get("vocab_size", int),
+            text_vocab_size=t.get("text_vocab_size", int),
+            text_hidden_size=t.get("text_hidden_size", int),
+            num_code_groups=t.get("num_code_groups", int),
+            codec_pad_id=t.get("codec_pad_id", int),
+            codec_bos_id=t.get("codec_bos_id", int),
+            codec_eos_id=t.get("codec_eos_token_id", int),
+            codec_think_id=t.get("codec_think_id", int),
+            codec_nothink_id=t.get("codec_nothink_id", int),
+            codec_think_bos_id=t.get("codec_think_bos_id", int),
+            codec_think_eos_id=t.get("codec_think_eos_id", int),
+            language_ids=_frozen_map(t.get("codec_language_id", dict)),
+            speaker_ids=_frozen_map(t.get("spk_id", dict)),
+            speaker_dialects=MappingProxyType(dialects),
+        )
+        return cls(
+            tts_model_type=kind,
+            tts_model_size=f.get("tts_model_size", str),
+            tts_pad_id=f.get("tts_pad_token_id", int),
+            tts_bos_id=f.get("tts_bos_token_id", int),
+            tts_eos_id=f.get("tts_eos_token_id", int),
+            im_start_id=f.get("im_start_token_id", int),
+            im_end_id=f.get("im_end_token_id", int),
+            assistant_id=f.get("assistant_token_id", int),
+            talker=talker,
+            code_predictor=TransformerConfig.read(cp),
+            code_predictor_vocab=cp.get("vocab_size", int),
+            transformers_version=str(f.data.get("transformers_version", "")),
+        )
+
+
+def _frozen_map(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType({str(k).lower(): v for k, v in d.items()})
+
+
+@dataclass(frozen=True)
+class VocoderConfig:
+    """The speech-tokenizer decoder (`speech_tokenizer/config.json`, `decoder_config`)."""
+
+    num_quantizers: int  # codebooks per frame (16)
+    codebook_size: int  # entries per codebook (2048)
+    codebook_dim: int  # RVQ output width (512); each codebook vector has codebook_dim // 2
+    latent_dim: int  # pre_conv / transformer in-out width (1024)
+    hidden_size: int  # transformer width (512)
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    sliding_window: int  # keys visible to each query, itself included (72)
+    decoder_dim: int  # width after decoder[0] (1536)
+    upsample_rates: tuple[int, ...]  # BigVGAN-style block strides (8, 5, 4, 3)
+    upsampling_ratios: tuple[int, ...]  # ConvNeXt pre-upsample strides (2, 2)
+    samples_per_frame: int  # decode_upsample_rate (1920)
+    sample_rate: int  # output_sample_rate (24000)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "VocoderConfig":
+        top = _Fields(read_json(path), str(path))
+        model_type = top.get("model_type", str)
+        if model_type != TOKENIZER_TYPE:
+            raise CheckpointError(f"{path}: model_type is {model_type!r}, expected {TOKENIZER_TYPE!r}")
+        f = top.sub("decoder_config")
+        cfg = cls(
+            num_quantizers=f.get("num_quantizers", int),
+            codebook_size=f.get("codebook_size", int),
+            codebook_dim=f.get("codebook_dim", int),
+            latent_dim=f.get("latent_dim", int),
+            hidden_size=f.get("hidden_size", int),
+            num_layers=f.get("num_hidden_layers", int),
+            num_heads=f.get("num_attention_heads", int),
+            head_dim=f.get("head_dim", int),
+            intermediate_size=f.get("intermediate_size", int),
+            rms_norm_eps=f.get("rms_norm_eps", float),
+            rope_theta=f.get("rope_theta", float),
+            sliding_window=f.get("sliding_window", int),
+            decoder_dim=f.get("decoder_dim", int),
+            upsample_rates=tuple(f.get("upsample_rates", list)),
+            upsampling_ratios=tuple(f.get("upsampling_ratios", list)),
+            samples_per_frame=top.get("decode_upsample_rate", int),
+            sample_rate=top.get("output_sample_rate", int),
+        )
+        total = 1
+        for r in cfg.upsample_rates + cfg.upsampling_ratios:
+            total *= r
+        if total != cfg.samples_per_frame:
+            raise CheckpointError(
+                f"{path}: upsampling factors multiply to {total}, "
+                f"but decode_upsample_rate is {cfg.samples_per_frame}"
+            )
+        return cfg
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling defaults from `generation_config.json` (the reference wrapper's fallbacks)."""
+
+    do_sample: bool = True
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    subtalker_dosample: bool = True
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+    max_new_tokens: int = 2048  # the reference's hard fallback when the file lacks it
+
+    @classmethod
+    def from_file(cls, path: Path) -> "GenerationDefaults":
+        data = read_json(path)
+        known = set(cls.__dataclass_fields__)
+        values = {k: v for k, v in data.items() if k in known}
+        try:
+            return cls(**values)
+        except TypeError as e:  # pragma: no cover - dataclass with only known keys
+            raise CheckpointError(f"{path}: {e}") from None

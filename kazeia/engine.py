@@ -1,0 +1,245 @@
+"""The public API: load a checkpoint once, synthesize many times.
+
+```python
+engine = Engine.load("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+speech = engine.synthesize("Bonjour Kazeia.", voice="serena", language="french", seed=7)
+```
+
+Every call is independent (fresh caches, its own `torch.Generator`); the same text, voice, options
+and seed give the same codes and the same audio bytes. Bad input raises `ValueError` naming what is
+wrong and the valid choices.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .checkpoint import DTYPES, resolve
+from .config import GenerationDefaults, ModelConfig
+from .generate import frames
+from .model import TTSModel
+from .prompt import Conditioning, build_prompt
+from .sampling import SamplingOptions
+from .text import TextTokenizer
+from .vocoder import Vocoder
+
+from .audio import SAMPLE_RATE
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Timing of one synthesis."""
+
+    frames: int  # code frames generated (80 ms each)
+    audio_s: float  # seconds of audio produced
+    wall_s: float  # seconds from the call to the last sample
+    rtf: float  # real-time factor: wall_s / audio_s (below 1 is faster than real time)
+    prefill_s: float  # seconds to build the prompt and run the talker prefill
+    seed: int  # the seed that drove sampling (replays the same result)
+
+
+@dataclass(frozen=True)
+class Speech:
+    """Result of `Engine.synthesize`."""
+
+    audio: np.ndarray  # (samples,) float32 mono in [-1, 1]
+    sample_rate: int  # Hz (24000)
+    codes: np.ndarray  # (frames, 16) int64 speech-tokenizer codes
+    metrics: Metrics
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated synthesis request (what `frames()` needs besides the model)."""
+
+    text_ids: list[int]
+    cond: Conditioning
+    options: SamplingOptions
+    non_streaming_mode: bool
+    seed: int
+
+
+class Engine:
+    """A loaded checkpoint: talker, code predictor, vocoder and text tokenizer."""
+
+    def __init__(self, cfg: ModelConfig, model: TTSModel, vocoder: Vocoder, tokenizer: TextTokenizer,
+                 defaults: SamplingOptions, device: torch.device):
+        self.cfg, self.model, self.vocoder, self.tokenizer = cfg, model, vocoder, tokenizer
+        self.defaults, self.device = defaults, device
+
+    @classmethod
+    def load(
+        cls,
+        path_or_id: str | os.PathLike,
+        device: str = "cpu",
+        dtype: str = "float32",
+        *,
+        vocoder_dtype: str = "float32",
+        tokenizer_regex: str = "qwen2",
+        offline: bool | None = None,
+    ) -> "Engine":
+        """Load a local checkpoint directory or a hub id (downloaded once into the hub cache).
+
+        dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16".
+        vocoder_dtype: the speech-tokenizer decoder; float32 by default (CPU convolution kernels in
+            half precision are far slower, see docs/design.md).
+        tokenizer_regex: "qwen2" (standard) or "reference-local" (the split regex the reference
+            package uses when it loads from a local directory; see kazeia/text.py).
+        """
+        torch_device = _device(device)
+        weights, vocoder_weights = _dtype("dtype", dtype), _dtype("vocoder_dtype", vocoder_dtype)
+        files = resolve(path_or_id, offline=offline)
+        cfg = ModelConfig.from_file(files["config.json"])
+        gen = GenerationDefaults.from_file(files["generation_config.json"])
+        defaults = SamplingOptions(**{n: getattr(gen, n) for n in SamplingOptions.names()})
+        tokenizer = TextTokenizer.from_dir(files.root, regex=tokenizer_regex)
+        model = TTSModel.load(cfg, files["model.safetensors"], torch_device, weights)
+        vocoder = Vocoder.load(files["speech_tokenizer"], device=torch_device, dtype=vocoder_weights)
+        return cls(cfg, model, vocoder, tokenizer, defaults, torch_device)
+
+    # -- what the checkpoint supports -------------------------------------------------------
+    @property
+    def model_type(self) -> str:
+        """"custom_voice", "voice_design" or "base"."""
+        return self.cfg.tts_model_type
+
+    @property
+    def voices(self) -> list[str]:
+        """Preset speakers (CustomVoice checkpoints); empty for other kinds."""
+        return sorted(self.cfg.talker.speaker_ids)
+
+    @property
+    def languages(self) -> list[str]:
+        """Accepted `language` values: "auto" plus the checkpoint's languages (dialects come with speakers)."""
+        dialects = {d for d in self.cfg.talker.speaker_dialects.values() if d}
+        return ["auto"] + sorted(k for k in self.cfg.talker.language_ids if k not in dialects)
+
+    # -- synthesis --------------------------------------------------------------------------
+    def synthesize(
+        self,
+        text: str,
+        voice: str | None = None,
+        language: str | None = None,
+        instruct: str | None = None,
+        seed: int | None = None,
+        non_streaming_mode: bool | None = None,
+        **sampling,
+    ) -> Speech:
+        """Synthesize `text`; `sampling` takes the `SamplingOptions` fields (reference names)."""
+        start = time.perf_counter()
+        request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        codes, prefill_s = [], 0.0
+        for frame in self.frames(request):
+            if not codes:
+                prefill_s = time.perf_counter() - start
+            codes.append(frame)
+        code_matrix = torch.stack(codes)  # (frames, 16)
+        audio = self.decode(code_matrix)
+        wall = time.perf_counter() - start
+        audio_s = len(audio) / SAMPLE_RATE
+        metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, request.seed)
+        return Speech(audio, SAMPLE_RATE, code_matrix.cpu().numpy(), metrics)
+
+    def request(self, text, voice=None, language=None, instruct=None, seed=None, non_streaming_mode=None,
+                **sampling) -> Request:
+        """Validate inputs and resolve names to ids; raises ValueError on anything wrong."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        if not text.strip():
+            raise ValueError("text is empty")
+        cond = self._conditioning(voice, language, instruct)
+        options = self._options(sampling)
+        if non_streaming_mode is None:
+            non_streaming_mode = self.model_type != "base"  # the reference's default per model type
+        if not isinstance(non_streaming_mode, bool):
+            raise ValueError(f"non_streaming_mode must be True or False, got {non_streaming_mode!r}")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(6), "little")
+        elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        return Request(self.tokenizer.assistant_ids(text), cond, options, non_streaming_mode, seed)
+
+    def frames(self, request: Request, should_stop=None) -> Iterator[torch.Tensor]:
+        """The frame generator for a validated request: yields (16,) int64 code frames."""
+        m = self.model
+        prompt = build_prompt(m.talker, self.cfg, request.text_ids, request.cond, request.non_streaming_mode)
+        generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        eos = self.cfg.talker.codec_eos_id
+        return frames(m.talker, m.code_predictor, prompt, request.options, eos, generator, should_stop)
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor) -> np.ndarray:
+        """codes (frames, 16) -> float32 audio (frames * 1920,) in one exact causal decode."""
+        audio = self.vocoder(codes.to(self.device)[None])  # (1, samples)
+        return audio[0].float().cpu().numpy().astype(np.float32, copy=False)
+
+    # -- validation -------------------------------------------------------------------------
+    def _conditioning(self, voice, language, instruct) -> Conditioning:
+        t = self.cfg.talker
+        speaker = self._speaker(voice)
+        lang = "auto" if language is None else language
+        if not isinstance(lang, str) or lang.strip().lower() not in self.languages:
+            raise ValueError(f"unknown language {language!r}; choose one of: {', '.join(self.languages)}")
+        lang = lang.strip().lower()
+        language_id = None if lang == "auto" else t.language_ids[lang]
+        dialect = t.speaker_dialects.get(speaker) if speaker else None
+        if dialect and lang in ("chinese", "auto"):
+            language_id = t.language_ids[dialect]  # eric -> Sichuan, dylan -> Beijing dialect
+        return Conditioning(language_id, t.speaker_ids[speaker] if speaker else None, self._instruct(instruct))
+
+    def _speaker(self, voice) -> str | None:
+        kind = self.model_type
+        if kind == "base":
+            raise ValueError("this is a Base (voice-clone) checkpoint: it needs a reference voice, "
+                             "and voice cloning is not available yet; use a CustomVoice or VoiceDesign checkpoint")
+        if kind == "voice_design":
+            if voice is not None:
+                raise ValueError("VoiceDesign checkpoints have no preset voices: describe the voice with instruct=")
+            return None
+        if voice is None:
+            raise ValueError(f"voice is required; choose one of: {', '.join(self.voices)}")
+        name = voice.strip().lower() if isinstance(voice, str) else voice
+        if name not in self.cfg.talker.speaker_ids:
+            raise ValueError(f"unknown voice {voice!r}; choose one of: {', '.join(self.voices)}")
+        return name
+
+    def _instruct(self, instruct) -> tuple[int, ...] | None:
+        if instruct is not None and not isinstance(instruct, str):
+            raise ValueError(f"instruct must be a string, got {type(instruct).__name__}")
+        given = bool(instruct and instruct.strip())
+        if self.model_type == "voice_design" and not given:
+            raise ValueError("VoiceDesign checkpoints need instruct=, a description of the voice")
+        if given and self.model_type == "custom_voice" and self.cfg.tts_model_size == "0b6":
+            raise ValueError("the 0.6B CustomVoice checkpoint does not support instruct; use a 1.7B checkpoint")
+        return tuple(self.tokenizer.instruct_ids(instruct)) if given else None
+
+    def _options(self, sampling: dict) -> SamplingOptions:
+        unknown = sorted(set(sampling) - set(SamplingOptions.names()))
+        if unknown:
+            raise ValueError(f"unknown option {unknown[0]!r}; valid options: {', '.join(SamplingOptions.names())}")
+        return replace(self.defaults, **{k: v for k, v in sampling.items() if v is not None})
+
+
+def _device(device: str) -> torch.device:
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return d
+
+
+def _dtype(name: str, value: str) -> torch.dtype:
+    if value not in DTYPES:
+        raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(DTYPES)}")
+    return DTYPES[value]
+
+
+__all__ = ["Engine", "Speech", "Metrics", "SAMPLE_RATE"]

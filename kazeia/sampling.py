@@ -1,0 +1,102 @@
+"""Sampling options and the logit processing of the reference generation loop.
+
+The talker's codebook-0 logits go through, in this order: repetition penalty over the codebook-0
+tokens generated so far, the min-new-tokens rule (EOS masked for the first `MIN_NEW_TOKENS`
+tokens), suppression of the control rows 2048..3071 except EOS, then (when sampling) temperature,
+top-k and top-p. The code predictor's logits only get temperature/top-k/top-p. Every random draw
+takes an explicit `torch.Generator`; no global RNG state is read or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two talker tokens
+CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, never sampled (except EOS)
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Generation options, named as in the reference's `generate_*` functions."""
+
+    do_sample: bool = True  # talker: sample codebook 0 (False: greedy argmax)
+    temperature: float = 0.9  # talker logits are divided by this before top-k/top-p
+    top_k: int = 50  # keep the k most likely codebook-0 tokens (0: no limit)
+    top_p: float = 1.0  # nucleus: keep the smallest set with this probability mass (1.0: off)
+    repetition_penalty: float = 1.05  # >1 discourages repeating generated codebook-0 tokens (1.0: off)
+    max_new_tokens: int = 8192  # talker tokens incl. the final EOS/cut-off one; frames <= max_new_tokens - 1
+    subtalker_dosample: bool = True  # code predictor: sample codebooks 1..15 (False: greedy)
+    subtalker_temperature: float = 0.9
+    subtalker_top_k: int = 50
+    subtalker_top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("do_sample", "subtalker_dosample"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("temperature", "subtalker_temperature"):
+            _check(name, getattr(self, name), float, lambda v: v > 0, "a number > 0")
+        for name in ("top_k", "subtalker_top_k"):
+            _check(name, getattr(self, name), int, lambda v: v >= 0, "an integer >= 0")
+        for name in ("top_p", "subtalker_top_p"):
+            _check(name, getattr(self, name), float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        _check("repetition_penalty", self.repetition_penalty, float, lambda v: v > 0, "a number > 0")
+        # Two tokens at least: the first can never be EOS, so every call yields one frame or more.
+        _check("max_new_tokens", self.max_new_tokens, int, lambda v: v >= 2, "an integer >= 2")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def _check(name: str, value, kind: type, ok, what: str) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int and not isinstance(value, int):
+        number = False
+    if not number or value != value or not ok(value):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def talker_scores(
+    logits: torch.Tensor, generated: torch.Tensor, opts: SamplingOptions, eos_id: int
+) -> torch.Tensor:
+    """logits (B, V) -> processed float32 scores; generated (B, n) codebook-0 tokens so far."""
+    scores = logits.float()
+    if opts.repetition_penalty != 1.0 and generated.shape[1] > 0:
+        picked = torch.gather(scores, 1, generated)
+        picked = torch.where(picked < 0, picked * opts.repetition_penalty, picked / opts.repetition_penalty)
+        scores = scores.scatter(1, generated, picked)
+    vocab = scores.shape[-1]
+    blocked = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+    blocked[vocab - CONTROL_ROWS :] = True
+    blocked[eos_id] = generated.shape[1] < MIN_NEW_TOKENS
+    return scores.masked_fill(blocked, float("-inf"))
+
+
+def choose(
+    scores: torch.Tensor,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """scores (B, V) float32 -> token ids (B,) by argmax or by sampling with the given warpers."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    if temperature != 1.0:
+        scores = scores / temperature
+    if top_k > 0:
+        k = min(top_k, scores.shape[-1])
+        kth = torch.topk(scores, k).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1 - top_p)
+        drop[..., -1:] = False  # always keep the most likely token
+        scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)

@@ -1,0 +1,62 @@
+"""The talker: a Qwen3 decoder over summed text-track and codec-track embeddings.
+
+Tensors only. It embeds text ids (`embed_text`: embedding + the 2-layer projection MLP) and codec ids
+(`codec_embedding`), runs the decoder stack over a preallocated KV cache, and scores codebook 0 with
+`codec_head`. Positions are plain 1-D RoPE: the checkpoint's interleaved M-RoPE receives three equal
+position streams in every code path, which is exactly plain RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import TalkerConfig
+from .layers import Block, KVCache, RMSNorm, Rotary
+
+
+class TextProjection(nn.Module):
+    """linear_fc2(silu(linear_fc1(x))): text width (2048) -> talker width H."""
+
+    def __init__(self, text_dim: int, dim: int):
+        super().__init__()
+        self.linear_fc1 = nn.Linear(text_dim, text_dim, bias=True)
+        self.linear_fc2 = nn.Linear(text_dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class Talker(nn.Module):
+    def __init__(self, cfg: TalkerConfig):
+        super().__init__()
+        s = cfg.stack
+        self.cfg = cfg
+        self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
+        self.text_projection = TextProjection(cfg.text_hidden_size, s.hidden_size)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(
+            Block(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, s.rms_norm_eps)
+            for _ in range(s.num_layers)
+        )
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.codec_head = nn.Linear(s.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(s.head_dim, s.rope_theta)
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, T) text token ids -> (B, T, H) text-track vectors."""
+        return self.text_projection(self.text_embedding(ids))
+
+    def new_cache(self, capacity: int, batch: int = 1) -> list[KVCache]:
+        s = self.cfg.stack
+        w = self.codec_head.weight
+        return [KVCache(batch, s.num_kv_heads, capacity, s.head_dim, w.device, w.dtype) for _ in self.layers]
+
+    def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
+        """x (B, T, H) input vectors at positions [start, start+T) -> final-normed hidden (B, T, H)."""
+        positions = torch.arange(start, start + x.shape[1], device=x.device)
+        rope = self.rotary(positions, x.dtype)
+        for layer, layer_cache in zip(self.layers, cache):
+            x = layer(x, rope, layer_cache, start)
+        return self.norm(x)

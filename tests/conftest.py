@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny random-weight checkpoints (written once per session) and import paths."""
+
+import pathlib
+import sys
+
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+from kazeia.testing import write_checkpoint  # noqa: E402
+
+TINY = {
+    "0.6B-custom": ("0.6B", "custom_voice"),
+    "1.7B-custom": ("1.7B", "custom_voice"),
+    "1.7B-design": ("1.7B", "voice_design"),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    """name -> directory of a tiny random checkpoint in the released layout."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: write_checkpoint(root / name, size, kind, tiny=True, seed=i)
+            for i, (name, (size, kind)) in enumerate(TINY.items())}
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_checkpoints):
+    """name -> a loaded Engine (loaded once per session; tests must not mutate it)."""
+    from kazeia import Engine
+
+    return {name: Engine.load(path) for name, path in tiny_checkpoints.items()}
