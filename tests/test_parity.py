@@ -30,7 +30,7 @@ def parity_engines(tiny_checkpoints):
     return {name: Engine.load(path, tokenizer_regex="reference-local") for name, path in tiny_checkpoints.items()}
 
 
-def run_reference(ref, method: str, **kwargs):
+def run_reference(ref, method: str, options: dict, **kwargs):
     """Call a reference generate_* method, capturing the codes it decodes."""
     captured = []
     inner = ref.model.generate
@@ -42,7 +42,7 @@ def run_reference(ref, method: str, **kwargs):
 
     ref.model.generate = spy
     try:
-        wavs, sr = getattr(ref, method)(**kwargs, **GREEDY)
+        wavs, sr = getattr(ref, method)(**kwargs, **options)
     finally:
         ref.model.generate = inner
     assert sr == 24000
@@ -87,10 +87,28 @@ CASES = [
 
 @pytest.mark.parametrize("name,method,ref_kwargs,our_kwargs", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_greedy_parity(reference_models, parity_engines, name, method, ref_kwargs, our_kwargs):
-    ref_codes, ref_wav = run_reference(reference_models[name], method, **ref_kwargs)
+    ref_codes, ref_wav = run_reference(reference_models[name], method, GREEDY, **ref_kwargs)
     speech = parity_engines[name].synthesize(ref_kwargs["text"], **our_kwargs, **GREEDY)
     assert speech.codes.shape == ref_codes.shape
     np.testing.assert_array_equal(speech.codes, ref_codes)
     assert speech.audio.shape == ref_wav.shape == (1920 * len(ref_codes),)
     assert np.max(np.abs(speech.audio - ref_wav)) <= 1e-4
     assert np.sqrt(np.mean(ref_wav**2)) > 1e-3, "the random checkpoint should produce non-trivial audio"
+
+
+SAMPLED = dict(max_new_tokens=20, temperature=0.8, top_k=30, top_p=0.9, repetition_penalty=1.1,
+               subtalker_temperature=0.7, subtalker_top_k=40, subtalker_top_p=0.95)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
+def test_sampled_parity_with_the_same_seed(reference_models, parity_engines, name, seed):
+    """Sampling replays the reference draw for draw: the reference samples from the global CPU RNG,
+    seeded here with the same seed that drives the engine's own generator."""
+    torch.manual_seed(seed)
+    ref_codes, ref_wav = run_reference(reference_models[name], "generate_custom_voice", SAMPLED,
+                                       text="Hello there, how are you today?", speaker="serena", language="English")
+    speech = parity_engines[name].synthesize("Hello there, how are you today?", voice="serena",
+                                             language="English", seed=seed, **SAMPLED)
+    np.testing.assert_array_equal(speech.codes, ref_codes)
+    assert np.max(np.abs(speech.audio - ref_wav)) <= 1e-4

@@ -50,7 +50,9 @@ def model_config(size: str, kind: str, tiny: bool) -> dict:
     return cfg
 
 
-def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator | None, dtype: torch.dtype) -> torch.Tensor:
+    if gen is None:  # shapes only
+        return torch.empty(shape, dtype=dtype, device="meta")
     return (torch.randn(shape, generator=gen) * std).to(dtype)
 
 
@@ -62,18 +64,19 @@ def _stack_tensors(prefix: str, c: dict, gen, dtype) -> dict[str, torch.Tensor]:
     """Tensors of one Qwen3 decoder stack (layers + final norm) under `prefix`."""
     H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-    out = {f"{prefix}norm.weight": torch.ones(H, dtype=dtype)}
+    ones = lambda n: torch.ones(n, dtype=dtype, device="cpu" if gen is not None else "meta")  # noqa: E731
+    out = {f"{prefix}norm.weight": ones(H)}
     for i in range(c["num_hidden_layers"]):
         p = f"{prefix}layers.{i}."
         out.update({
-            p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
-            p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype),
+            p + "input_layernorm.weight": ones(H),
+            p + "post_attention_layernorm.weight": ones(H),
             p + "self_attn.q_proj.weight": _linear(q, H, gen, dtype),
             p + "self_attn.k_proj.weight": _linear(kv, H, gen, dtype),
             p + "self_attn.v_proj.weight": _linear(kv, H, gen, dtype),
             p + "self_attn.o_proj.weight": _linear(H, q, gen, dtype),
-            p + "self_attn.q_norm.weight": torch.ones(hd, dtype=dtype),
-            p + "self_attn.k_norm.weight": torch.ones(hd, dtype=dtype),
+            p + "self_attn.q_norm.weight": ones(hd),
+            p + "self_attn.k_norm.weight": ones(hd),
             p + "mlp.gate_proj.weight": _linear(I, H, gen, dtype),
             p + "mlp.up_proj.weight": _linear(I, H, gen, dtype),
             p + "mlp.down_proj.weight": _linear(H, I, gen, dtype),
@@ -81,8 +84,10 @@ def _stack_tensors(prefix: str, c: dict, gen, dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-def model_tensors(cfg: dict, gen: torch.Generator, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor of `model.safetensors` for a config.json dict, with released names."""
+def model_tensors(cfg: dict, gen: torch.Generator | None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of `model.safetensors` for a config.json dict, with released names.
+
+    With `gen=None` the tensors live on the meta device (names and shapes only)."""
     t, cp = cfg["talker_config"], cfg["talker_config"]["code_predictor_config"]
     H, T, P = t["hidden_size"], t["text_hidden_size"], cp["hidden_size"]
     out = _stack_tensors("talker.model.", t, gen, dtype)

@@ -1,0 +1,135 @@
+"""Engine behaviour on tiny random checkpoints: determinism, independence, options, bad input."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kazeia import Engine, SamplingOptions
+
+SHORT = dict(max_new_tokens=12)
+
+
+def test_same_seed_same_bytes_different_seed_different_codes(engines):
+    engine = engines["0.6B-custom"]
+    a = engine.synthesize("Hello world.", voice="serena", language="english", seed=7, **SHORT)
+    b = engine.synthesize("Hello world.", voice="serena", language="english", seed=7, **SHORT)
+    c = engine.synthesize("Hello world.", voice="serena", language="english", seed=8, **SHORT)
+    assert a.audio.tobytes() == b.audio.tobytes()
+    assert np.array_equal(a.codes, b.codes)
+    assert a.metrics.seed == 7
+    assert not np.array_equal(a.codes[: len(c.codes)], c.codes[: len(a.codes)])
+
+
+def test_calls_are_independent(engines):
+    engine = engines["0.6B-custom"]
+    first = engine.synthesize("One two three.", voice="ryan", seed=1, **SHORT)
+    engine.synthesize("Something else entirely, much longer than before.", voice="vivian", seed=2, max_new_tokens=30)
+    engines["1.7B-custom"].synthesize("Other engine.", voice="aiden", seed=3, **SHORT)
+    again = engine.synthesize("One two three.", voice="ryan", seed=1, **SHORT)
+    assert first.audio.tobytes() == again.audio.tobytes()
+
+
+def test_global_rng_untouched(engines):
+    torch_state, py_state, np_state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    engines["0.6B-custom"].synthesize("Hello.", voice="serena", seed=3, **SHORT)
+    assert torch.equal(torch_state, torch.get_rng_state())
+    assert py_state == random.getstate()
+    assert np.array_equal(np_state[1], np.random.get_state()[1])
+
+
+def test_output_shapes_and_metrics(engines):
+    speech = engines["1.7B-design"].synthesize("Welcome.", instruct="A warm voice.", seed=5, max_new_tokens=9)
+    frames = speech.codes.shape[0]
+    assert 1 <= frames <= 8  # max_new_tokens counts the final EOS/cut-off token too
+    assert speech.codes.shape == (frames, 16) and speech.codes.dtype == np.int64
+    assert speech.codes.min() >= 0 and speech.codes.max() < 2048
+    assert speech.audio.dtype == np.float32 and speech.audio.shape == (frames * 1920,)
+    assert speech.sample_rate == 24000
+    m = speech.metrics
+    assert m.frames == frames and m.audio_s == pytest.approx(frames * 0.08)
+    assert m.rtf == pytest.approx(m.wall_s / m.audio_s)
+    assert 0 < m.prefill_s <= m.wall_s
+
+
+def test_greedy_runs_to_the_token_limit_or_eos(engines):
+    speech = engines["0.6B-custom"].synthesize("Count.", voice="serena", do_sample=False,
+                                               subtalker_dosample=False, max_new_tokens=10)
+    assert speech.codes.shape[0] <= 9
+
+
+def test_voices_and_languages(engines):
+    custom = engines["0.6B-custom"]
+    assert custom.voices == sorted(["serena", "vivian", "uncle_fu", "ryan", "aiden", "ono_anna", "sohee", "eric", "dylan"])
+    assert custom.languages[0] == "auto"
+    assert "beijing_dialect" not in custom.languages and "french" in custom.languages
+    assert len(custom.languages) == 11
+    assert engines["1.7B-design"].voices == []
+
+
+def test_voice_and_language_are_case_insensitive(engines):
+    engine = engines["0.6B-custom"]
+    a = engine.synthesize("Hi.", voice="SERENA", language="French", seed=4, **SHORT)
+    b = engine.synthesize("Hi.", voice="serena", language="french", seed=4, **SHORT)
+    assert np.array_equal(a.codes, b.codes)
+
+
+def test_defaults_come_from_generation_config(engines):
+    d = engines["0.6B-custom"].defaults
+    assert d == SamplingOptions(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
+                                max_new_tokens=8192, subtalker_dosample=True, subtalker_temperature=0.9,
+                                subtalker_top_k=50, subtalker_top_p=1.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_reduced_precision_loads_and_runs(tiny_checkpoints, dtype):
+    engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype=dtype)
+    assert engine.model.talker.codec_head.weight.dtype == getattr(torch, dtype)
+    speech = engine.synthesize("Hello.", voice="serena", seed=1, **SHORT)
+    assert speech.codes.shape[0] >= 1 and np.isfinite(speech.audio).all()
+
+
+BAD_INPUTS = [
+    ("0.6B-custom", dict(text=""), "text is empty"),
+    ("0.6B-custom", dict(text="   \n\t"), "text is empty"),
+    ("0.6B-custom", dict(text=None), "text must be a string"),
+    ("0.6B-custom", dict(voice="nobody"), "unknown voice 'nobody'; choose one of: aiden"),
+    ("0.6B-custom", dict(voice=None), "voice is required; choose one of"),
+    ("0.6B-custom", dict(language="klingon"), "unknown language 'klingon'; choose one of: auto"),
+    ("0.6B-custom", dict(language="beijing_dialect"), "unknown language"),
+    ("0.6B-custom", dict(instruct="Be happy."), "does not support instruct"),
+    ("0.6B-custom", dict(colour="blue"), "unknown option 'colour'; valid options: do_sample"),
+    ("0.6B-custom", dict(temperature=0), "temperature must be a number > 0"),
+    ("0.6B-custom", dict(top_p=1.5), "top_p must be a number in (0, 1]"),
+    ("0.6B-custom", dict(top_k=-1), "top_k must be an integer >= 0"),
+    ("0.6B-custom", dict(top_k=2.5), "top_k must be an integer >= 0"),
+    ("0.6B-custom", dict(max_new_tokens=1), "max_new_tokens must be an integer >= 2"),
+    ("0.6B-custom", dict(repetition_penalty=float("nan")), "repetition_penalty must be a number > 0"),
+    ("0.6B-custom", dict(do_sample="yes"), "do_sample must be True or False"),
+    ("0.6B-custom", dict(seed=-1), "seed must be an integer"),
+    ("0.6B-custom", dict(seed="7"), "seed must be an integer"),
+    ("0.6B-custom", dict(non_streaming_mode="no"), "non_streaming_mode must be True or False"),
+    ("1.7B-design", dict(voice=None, instruct=None), "need instruct="),
+    ("1.7B-design", dict(voice=None, instruct="  "), "need instruct="),
+    ("1.7B-design", dict(voice="serena", instruct="Calm."), "have no preset voices"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,message", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
+def test_bad_input_is_a_clear_value_error(engines, name, kwargs, message):
+    call = dict(text="Hello.", voice="serena", **SHORT)
+    call.update(kwargs)
+    with pytest.raises(ValueError) as err:
+        engines[name].synthesize(**call)
+    assert message in str(err.value)
+
+
+def test_bad_load_options(tiny_checkpoints):
+    path = tiny_checkpoints["0.6B-custom"]
+    with pytest.raises(ValueError, match="unknown dtype 'float8'; choose one of: float32, bfloat16, float16"):
+        Engine.load(path, dtype="float8")
+    with pytest.raises(ValueError, match="unknown device"):
+        Engine.load(path, device="gpu-please")
+    with pytest.raises(ValueError, match="choose"):
+        Engine.load(path, tokenizer_regex="perl")
