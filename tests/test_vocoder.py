@@ -1,0 +1,199 @@
+"""The vocoder: parity with the reference decoder, streaming == offline, loading, weight scales, input checks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import load_reference
+from safetensors.torch import save_file
+
+from kazeia.checkpoint import assign
+from kazeia.config import CheckpointError, VocoderConfig
+from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
+from kazeia.vocoder import Vocoder, vocoder_tensors
+
+FILES = pathlib.Path(__file__).resolve().parent.parent / "kazeia" / "reference_files"
+REAL_CONFIG = FILES / "Qwen3-TTS-12Hz-0.6B-CustomVoice" / "speech_tokenizer" / "config.json"
+TOL = 1e-5  # float32 max-abs difference on audio in [-1, 1]
+
+
+class Setup:
+    """One decoder config, its random released tensors, our vocoder and (lazily) the reference decoder."""
+
+    def __init__(self, config: dict, root: pathlib.Path, seed: int = 0):
+        self.config = config
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "config.json").write_text(json.dumps(config))
+        self.root = root
+        self.cfg = VocoderConfig.from_file(root / "config.json")
+        self.tensors = random_vocoder_tensors(self.cfg, torch.Generator().manual_seed(seed))
+        with torch.device("meta"):
+            self.vocoder = Vocoder(self.cfg)
+        assign(self.vocoder, vocoder_tensors(self.tensors), where="random", device="cpu", dtype=torch.float32)
+        self._reference = None
+
+    @property
+    def reference(self):
+        if self._reference is None:
+            load_reference()
+            from qwen_tts.core.tokenizer_12hz import configuration_qwen3_tts_tokenizer_v2 as C
+            from qwen_tts.core.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2 as M
+            from transformers.modeling_utils import no_init_weights
+
+            with no_init_weights():
+                ref = M.Qwen3TTSTokenizerV2Decoder(C.Qwen3TTSTokenizerV2DecoderConfig(**self.config["decoder_config"]))
+            ref.load_state_dict({k.removeprefix("decoder."): v for k, v in self.tensors.items()}, strict=True)
+            self._reference = ref.eval()
+        return self._reference
+
+    def codes(self, batch: int, frames: int, seed: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, self.cfg.codebook_size, (batch, frames, self.cfg.num_quantizers), generator=gen)
+
+    def reference_decode(self, codes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.reference(codes.transpose(1, 2))[:, 0]  # (B, T*1920)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Setup:
+    real = json.loads(REAL_CONFIG.read_text())
+    return Setup(tiny_speech_tokenizer_config(real), tmp_path_factory.mktemp("tiny_vocoder"))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape
+    return (a - b).abs().max().item()
+
+
+def check_audible(audio: torch.Tensor) -> None:
+    rms = audio.pow(2).mean().sqrt().item()
+    clipped = (audio.abs() >= 1.0).float().mean().item()
+    assert 0.02 < rms < 0.5, rms
+    assert clipped < 0.01, clipped
+    assert audio.std(dim=-1).min().item() > 0.01  # not constant or silent in any row
+
+
+@pytest.mark.parametrize("batch, frames", [(1, 23), (2, 37)])
+def test_matches_reference_full_decode(tiny: Setup, batch: int, frames: int):
+    codes = tiny.codes(batch, frames, seed=frames)
+    audio = tiny.vocoder(codes)
+    assert audio.shape == (batch, frames * 1920)
+    assert max_diff(audio, tiny.reference_decode(codes)) <= TOL
+
+
+def test_matches_reference_beyond_offline_block(tiny: Setup):
+    codes = tiny.codes(1, 310, seed=3)  # forward decodes 300 + 10 frames on one state
+    assert max_diff(tiny.vocoder(codes), tiny.reference_decode(codes)) <= TOL
+
+
+@pytest.mark.slow
+def test_real_size_matches_reference(tmp_path):
+    real = Setup(json.loads(REAL_CONFIG.read_text()), tmp_path)
+    codes = real.codes(1, 3, seed=1)
+    audio = real.vocoder(codes)
+    assert max_diff(audio, real.reference_decode(codes)) <= TOL
+    check_audible(audio)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    frames=st.integers(90, 160),
+    sizes=st.lists(st.integers(1, 48), min_size=1, max_size=12),
+    seed=st.integers(0, 2**16),
+)
+def test_streaming_equals_offline(tiny: Setup, frames: int, sizes: list[int], seed: int):
+    codes = tiny.codes(1, frames, seed)
+    state = tiny.vocoder.new_state(1)
+    pieces, start, i = [], 0, 0
+    while start < frames:
+        n = sizes[i % len(sizes)]
+        piece = tiny.vocoder.decode_chunk(codes[:, start : start + n], state)
+        assert piece.shape == (1, min(n, frames - start) * 1920)
+        pieces.append(piece)
+        start, i = start + n, i + 1
+    assert state.position == frames
+    assert max_diff(torch.cat(pieces, dim=-1), tiny.vocoder(codes)) <= TOL
+
+
+def test_streaming_long_batch_and_constant_state(tiny: Setup):
+    codes = tiny.codes(2, 330, seed=5)
+    state = tiny.vocoder.new_state(2)
+    shapes = [t.shape for t in state.tails] + [c.k.shape for c in state.caches]
+    bounds = [0, 1, 8, 8, 80, 240, 330]  # includes an empty chunk
+    pieces = [tiny.vocoder.decode_chunk(codes[:, a:b], state) for a, b in itertools.pairwise(bounds)]
+    assert [t.shape for t in state.tails] + [c.k.shape for c in state.caches] == shapes
+    assert max_diff(torch.cat(pieces, dim=-1), tiny.vocoder(codes)) <= TOL
+
+
+def test_reference_chunked_decode(tiny: Setup):
+    vocoder, spf = tiny.vocoder, tiny.cfg.samples_per_frame
+    short = tiny.codes(1, 120, seed=7)
+    assert max_diff(vocoder.decode_reference_chunked(short), vocoder(short)) <= TOL
+    codes = tiny.codes(1, 330, seed=8)
+    chunked, full = vocoder.decode_reference_chunked(codes), vocoder(codes)
+    with torch.no_grad():
+        official = tiny.reference.chunked_decode(codes.transpose(1, 2))[:, 0]
+    assert max_diff(chunked, official) <= TOL
+    assert max_diff(chunked[:, : 300 * spf], full[:, : 300 * spf]) <= TOL
+    assert max_diff(chunked[:, 300 * spf :], full[:, 300 * spf :]) > 1e-4
+
+
+def test_random_weights_give_audible_audio(tiny: Setup):
+    check_audible(tiny.vocoder(tiny.codes(2, 40, seed=11)))
+
+
+def test_random_tensors_are_deterministic(tiny: Setup):
+    again = random_vocoder_tensors(tiny.cfg, torch.Generator().manual_seed(0))
+    other = random_vocoder_tensors(tiny.cfg, torch.Generator().manual_seed(1))
+    assert again.keys() == tiny.tensors.keys()
+    assert all(torch.equal(again[k], tiny.tensors[k]) for k in again)
+    assert not torch.equal(other["decoder.pre_conv.conv.weight"], tiny.tensors["decoder.pre_conv.conv.weight"])
+    assert all(k.startswith("decoder.") and v.dtype == torch.float32 for k, v in again.items())
+
+
+def test_load_from_released_layout(tiny: Setup, tmp_path):
+    encoder_name = "encoder.quantizer.semantic_residual_vector_quantizer.input_proj.weight"
+    tensors = {**tiny.tensors, encoder_name: torch.ones(2)}
+    (tmp_path / "config.json").write_text(json.dumps(tiny.config))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    loaded = Vocoder.load(tmp_path)
+    codes = tiny.codes(1, 5, seed=2)
+    assert torch.equal(loaded(codes), tiny.vocoder(codes))
+
+
+def test_missing_codebook_tensor_is_named(tiny: Setup):
+    name = "decoder.quantizer.rvq_rest.vq.layers.14._codebook.cluster_usage"
+    tensors = {k: v for k, v in tiny.tensors.items() if k != name}
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        vocoder_tensors(tensors)
+
+
+@pytest.mark.parametrize(
+    "codes, message",
+    [
+        (torch.full((1, 4, 16), -1), "0..2047"),
+        (torch.full((1, 4, 16), 2048), "0..2047"),
+        (torch.zeros(1, 4, 15, dtype=torch.long), r"\(B, T, 16\)"),
+        (torch.zeros(1, 1, 4, 16, dtype=torch.long), r"\(B, T, 16\)"),
+        (torch.zeros(4, 16), "integer"),
+    ],
+)
+def test_bad_codes_are_rejected(tiny: Setup, codes: torch.Tensor, message: str):
+    with pytest.raises(ValueError, match=message):
+        tiny.vocoder(codes)
+    with pytest.raises(ValueError, match=message):
+        tiny.vocoder.decode_chunk(codes, tiny.vocoder.new_state(1))
+
+
+def test_unbatched_codes_and_state_batch(tiny: Setup):
+    codes = tiny.codes(1, 6, seed=4)
+    assert torch.equal(tiny.vocoder(codes[0]), tiny.vocoder(codes)[0])
+    with pytest.raises(ValueError, match="batch"):
+        tiny.vocoder.decode_chunk(codes, tiny.vocoder.new_state(2))
