@@ -21,7 +21,12 @@ def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_R
     path = Path(path)
     subtype = "PCM_16" if path.suffix.lower() in (".wav", ".flac", "") else None
     try:
-        sf.write(str(path), np.asarray(audio, dtype=np.float32), sample_rate, subtype=subtype,
-                 format=None if path.suffix else "WAV")
+        sf.write(
+            str(path),
+            np.asarray(audio, dtype=np.float32),
+            sample_rate,
+            subtype=subtype,
+            format=None if path.suffix else "WAV",
+        )
     except (sf.LibsndfileError, TypeError, ValueError) as e:
         raise ValueError(f"cannot write audio to {path}: {e}") from None

@@ -8,9 +8,9 @@ mis-shaped or unreadable tensor. Non-goal: knowing what the tensors mean (the mo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 from torch import nn
@@ -57,7 +57,9 @@ def resolve(path_or_id: str | os.PathLike, *, offline: bool | None = None) -> Ch
     elif _looks_like_hub_id(str(path_or_id)):
         files = CheckpointFiles(_download(str(path_or_id), offline), from_hub=True)
     else:
-        raise CheckpointError(f"no checkpoint directory at {path} (and it is not a hub id like 'Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice')")
+        raise CheckpointError(
+            f"no checkpoint directory at {path} (and it is not a hub id like 'Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice')"
+        )
     for name in REQUIRED_FILES:
         if not files[name].is_file():
             raise CheckpointError(f"checkpoint {files.root} is incomplete: missing file {name}")

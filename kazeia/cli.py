@@ -14,35 +14,64 @@ DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=os.environ.get("KAZEIA_MODEL", DEFAULT_MODEL),
-                   help="checkpoint directory or hub id (default: $KAZEIA_MODEL or %(default)s)")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("KAZEIA_MODEL", DEFAULT_MODEL),
+        help="checkpoint directory or hub id (default: $KAZEIA_MODEL or %(default)s)",
+    )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="talker and code-predictor weight precision (default: float32)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="talker and code-predictor weight precision (default: float32)",
+    )
     p.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")
-    p.add_argument("--tokenizer-regex", default="qwen2", choices=["qwen2", "reference-local"],
-                   help="text split regex (default: qwen2; see docs)")
+    p.add_argument(
+        "--tokenizer-regex",
+        default="qwen2",
+        choices=["qwen2", "reference-local"],
+        help="text split regex (default: qwen2; see docs)",
+    )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
-    g.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
-                   help="sample codebook 0 (--no-do-sample: greedy)")
+    g.add_argument(
+        "--do-sample",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sample codebook 0 (--no-do-sample: greedy)",
+    )
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-k", type=int)
     g.add_argument("--top-p", type=float)
     g.add_argument("--repetition-penalty", type=float)
     g.add_argument("--max-new-tokens", type=int, help="talker tokens at most (frames <= this - 1)")
-    g.add_argument("--subtalker-dosample", action=argparse.BooleanOptionalAction, default=None,
-                   help="sample codebooks 1..15 (--no-subtalker-dosample: greedy)")
+    g.add_argument(
+        "--subtalker-dosample",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sample codebooks 1..15 (--no-subtalker-dosample: greedy)",
+    )
     g.add_argument("--subtalker-temperature", type=float)
     g.add_argument("--subtalker-top-k", type=int)
     g.add_argument("--subtalker-top-p", type=float)
     g.add_argument("--greedy", action="store_true", help="shorthand for --no-do-sample --no-subtalker-dosample")
 
 
-SAMPLING_FLAGS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens",
-                  "subtalker_dosample", "subtalker_temperature", "subtalker_top_k", "subtalker_top_p")
+SAMPLING_FLAGS = (
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "max_new_tokens",
+    "subtalker_dosample",
+    "subtalker_temperature",
+    "subtalker_top_k",
+    "subtalker_top_p",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,9 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--language", help="language name or auto (default: auto)")
     say.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
     say.add_argument("--seed", type=int, help="sampling seed (same seed, same audio)")
-    say.add_argument("--non-streaming-mode", action=argparse.BooleanOptionalAction, default=None,
-                     help="text layout: all text in the prompt (default for CustomVoice/VoiceDesign)")
-    say.add_argument("-o", "--output", default="out.wav", help="output file; format from the extension (default: %(default)s)")
+    say.add_argument(
+        "--non-streaming-mode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="text layout: all text in the prompt (default for CustomVoice/VoiceDesign)",
+    )
+    say.add_argument(
+        "-o", "--output", default="out.wav", help="output file; format from the extension (default: %(default)s)"
+    )
     _sampling_args(say)
 
     voices = sub.add_parser("voices", help="list the voices and languages of a checkpoint")
@@ -76,8 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args):
     from .engine import Engine
 
-    return Engine.load(args.model, device=args.device, dtype=args.dtype, tokenizer_regex=args.tokenizer_regex,
-                       offline=args.offline or None)
+    return Engine.load(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tokenizer_regex=args.tokenizer_regex,
+        offline=args.offline or None,
+    )
 
 
 def _say(args) -> int:
@@ -87,12 +127,22 @@ def _say(args) -> int:
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     if args.greedy:
         sampling.update(do_sample=False, subtalker_dosample=False)
-    speech = engine.synthesize(args.text, voice=args.voice, language=args.language, instruct=args.instruct,
-                               seed=args.seed, non_streaming_mode=args.non_streaming_mode, **sampling)
+    speech = engine.synthesize(
+        args.text,
+        voice=args.voice,
+        language=args.language,
+        instruct=args.instruct,
+        seed=args.seed,
+        non_streaming_mode=args.non_streaming_mode,
+        **sampling,
+    )
     write_audio(args.output, speech.audio, speech.sample_rate)
     m = speech.metrics
-    print(f"{args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames) in {m.wall_s:.2f} s, "
-          f"RTF {m.rtf:.2f}, seed {m.seed}", file=sys.stderr)
+    print(
+        f"{args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames) in {m.wall_s:.2f} s, "
+        f"RTF {m.rtf:.2f}, seed {m.seed}",
+        file=sys.stderr,
+    )
     return 0
 
 

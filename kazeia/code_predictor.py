@@ -21,7 +21,9 @@ class CodePredictor(nn.Module):
         groups = num_code_groups - 1  # codebooks predicted here (15)
         self.codec_embedding = nn.ModuleList(nn.Embedding(vocab, talker_dim) for _ in range(groups))
         self.layers = nn.ModuleList(
-            Block(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+            Block(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
+            )
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -40,13 +42,14 @@ class CodePredictor(nn.Module):
     def new_cache(self, batch: int = 1) -> list[KVCache]:
         w = self.norm.weight
         capacity = self.num_groups + 2  # [h, c0] then one position per predicted code (17)
-        return [KVCache(batch, self.cfg.num_kv_heads, capacity, self.cfg.head_dim, w.device, w.dtype) for _ in self.layers]
+        c = self.cfg
+        return [KVCache(batch, c.num_kv_heads, capacity, c.head_dim, w.device, w.dtype) for _ in self.layers]
 
     def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
         """x (B, T, talker_dim) at positions [start, start+T) -> final-normed hidden (B, T, cp_dim)."""
         x = self.small_to_mtp_projection(x)
         positions = torch.arange(start, start + x.shape[1], device=x.device)
         rope = self.rotary(positions, x.dtype)
-        for layer, layer_cache in zip(self.layers, cache):
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
             x = layer(x, rope, layer_cache, start)
         return self.norm(x)

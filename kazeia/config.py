@@ -9,10 +9,11 @@ encoder and the speaker encoder (voice cloning) are not described here yet.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 MODEL_TYPE = "qwen3_tts"
 TOKENIZER_TYPE = "qwen3_tts_tokenizer_12hz"
@@ -54,7 +55,7 @@ class _Fields:
             raise CheckpointError(f"{self.where}: key {key!r} has unexpected value {value!r}")
         return value
 
-    def sub(self, key: str) -> "_Fields":
+    def sub(self, key: str) -> _Fields:
         return _Fields(self.get(key, dict), f"{self.where}.{key}")
 
 
@@ -72,7 +73,7 @@ class TransformerConfig:
     rope_theta: float
 
     @classmethod
-    def read(cls, f: _Fields) -> "TransformerConfig":
+    def read(cls, f: _Fields) -> TransformerConfig:
         return cls(
             hidden_size=f.get("hidden_size", int),
             num_layers=f.get("num_hidden_layers", int),
@@ -129,7 +130,7 @@ class ModelConfig:
         return self.talker.stack.hidden_size != self.code_predictor.hidden_size
 
     @classmethod
-    def from_file(cls, path: Path) -> "ModelConfig":
+    def from_file(cls, path: Path) -> ModelConfig:
         f = _Fields(read_json(path), str(path))
         model_type = f.get("model_type", str)
         if model_type != MODEL_TYPE:
@@ -200,7 +201,7 @@ class VocoderConfig:
     sample_rate: int  # output_sample_rate (24000)
 
     @classmethod
-    def from_file(cls, path: Path) -> "VocoderConfig":
+    def from_file(cls, path: Path) -> VocoderConfig:
         top = _Fields(read_json(path), str(path))
         model_type = top.get("model_type", str)
         if model_type != TOKENIZER_TYPE:
@@ -230,8 +231,7 @@ class VocoderConfig:
             total *= r
         if total != cfg.samples_per_frame:
             raise CheckpointError(
-                f"{path}: upsampling factors multiply to {total}, "
-                f"but decode_upsample_rate is {cfg.samples_per_frame}"
+                f"{path}: upsampling factors multiply to {total}, but decode_upsample_rate is {cfg.samples_per_frame}"
             )
         return cfg
 
@@ -252,7 +252,7 @@ class GenerationDefaults:
     max_new_tokens: int = 2048  # the reference's hard fallback when the file lacks it
 
     @classmethod
-    def from_file(cls, path: Path) -> "GenerationDefaults":
+    def from_file(cls, path: Path) -> GenerationDefaults:
         data = read_json(path)
         known = set(cls.__dataclass_fields__)
         values = {k: v for k, v in data.items() if k in known}

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 import numpy as np
 import torch
 
+from .audio import SAMPLE_RATE
 from .checkpoint import DTYPES, resolve
 from .config import GenerationDefaults, ModelConfig
 from .generate import frames
@@ -28,8 +29,6 @@ from .prompt import Conditioning, build_prompt
 from .sampling import SamplingOptions
 from .text import TextTokenizer
 from .vocoder import Vocoder
-
-from .audio import SAMPLE_RATE
 
 
 @dataclass(frozen=True)
@@ -68,8 +67,15 @@ class Request:
 class Engine:
     """A loaded checkpoint: talker, code predictor, vocoder and text tokenizer."""
 
-    def __init__(self, cfg: ModelConfig, model: TTSModel, vocoder: Vocoder, tokenizer: TextTokenizer,
-                 defaults: SamplingOptions, device: torch.device):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        model: TTSModel,
+        vocoder: Vocoder,
+        tokenizer: TextTokenizer,
+        defaults: SamplingOptions,
+        device: torch.device,
+    ):
         self.cfg, self.model, self.vocoder, self.tokenizer = cfg, model, vocoder, tokenizer
         self.defaults, self.device = defaults, device
 
@@ -83,7 +89,7 @@ class Engine:
         vocoder_dtype: str = "float32",
         tokenizer_regex: str = "qwen2",
         offline: bool | None = None,
-    ) -> "Engine":
+    ) -> Engine:
         """Load a local checkpoint directory or a hub id (downloaded once into the hub cache).
 
         dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16".
@@ -106,7 +112,7 @@ class Engine:
     # -- what the checkpoint supports -------------------------------------------------------
     @property
     def model_type(self) -> str:
-        """"custom_voice", "voice_design" or "base"."""
+        """ "custom_voice", "voice_design" or "base"."""
         return self.cfg.tts_model_type
 
     @property
@@ -146,8 +152,9 @@ class Engine:
         metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, request.seed)
         return Speech(audio, SAMPLE_RATE, code_matrix.cpu().numpy(), metrics)
 
-    def request(self, text, voice=None, language=None, instruct=None, seed=None, non_streaming_mode=None,
-                **sampling) -> Request:
+    def request(
+        self, text, voice=None, language=None, instruct=None, seed=None, non_streaming_mode=None, **sampling
+    ) -> Request:
         """Validate inputs and resolve names to ids; raises ValueError on anything wrong."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a string, got {type(text).__name__}")
@@ -196,8 +203,10 @@ class Engine:
     def _speaker(self, voice) -> str | None:
         kind = self.model_type
         if kind == "base":
-            raise ValueError("this is a Base (voice-clone) checkpoint: it needs a reference voice, "
-                             "and voice cloning is not available yet; use a CustomVoice or VoiceDesign checkpoint")
+            raise ValueError(
+                "this is a Base (voice-clone) checkpoint: it needs a reference voice, "
+                "and voice cloning is not available yet; use a CustomVoice or VoiceDesign checkpoint"
+            )
         if kind == "voice_design":
             if voice is not None:
                 raise ValueError("VoiceDesign checkpoints have no preset voices: describe the voice with instruct=")

@@ -9,7 +9,7 @@ the talker's next input. Generation ends when the talker samples EOS or has samp
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,7 +33,7 @@ class TalkerCache:
         if needed <= self.layers[0].capacity:
             return
         grown = self.talker.new_cache(_round_up(needed + CACHE_BLOCK))
-        for old, new in zip(self.layers, grown):
+        for old, new in zip(self.layers, grown, strict=True):
             used = old.capacity
             new.k[:, :, :used], new.v[:, :, :used] = old.k, old.v
         self.layers = grown
@@ -54,8 +54,12 @@ def _predict_codes(
 ) -> torch.Tensor:
     """hidden (1, 1, H) talker state, first (1,) codebook-0 token -> the frame's 16 codes (1, 16)."""
     sample = lambda logits: choose(  # noqa: E731 - the predictor's fixed warper settings
-        logits.float(), opts.subtalker_dosample, opts.subtalker_temperature,
-        opts.subtalker_top_k, opts.subtalker_top_p, generator,
+        logits.float(),
+        opts.subtalker_dosample,
+        opts.subtalker_temperature,
+        opts.subtalker_top_k,
+        opts.subtalker_top_p,
+        generator,
     )
     x = torch.cat((hidden, talker.codec_embedding(first[:, None])), dim=1)  # (1, 2, H)
     out = predictor(x, cache, 0)

@@ -7,8 +7,8 @@ checkpoints) are recognised and left for the voice-clone path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ class TTSModel(nn.Module):
         )
 
     @classmethod
-    def load(cls, cfg: ModelConfig, path: Path, device: torch.device | str, dtype: torch.dtype) -> "TTSModel":
+    def load(cls, cfg: ModelConfig, path: Path, device: torch.device | str, dtype: torch.dtype) -> TTSModel:
         with torch.device("meta"):
             model = cls(cfg)
         tensors = rename(load_tensors(path), str(path))

@@ -59,9 +59,7 @@ def _check(name: str, value, kind: type, ok, what: str) -> None:
         raise ValueError(f"{name} must be {what}, got {value!r}")
 
 
-def talker_scores(
-    logits: torch.Tensor, generated: torch.Tensor, opts: SamplingOptions, eos_id: int
-) -> torch.Tensor:
+def talker_scores(logits: torch.Tensor, generated: torch.Tensor, opts: SamplingOptions, eos_id: int) -> torch.Tensor:
     """logits (B, V) -> processed float32 scores; generated (B, n) codebook-0 tokens so far."""
     scores = logits.float()
     if opts.repetition_penalty != 1.0 and generated.shape[1] > 0:

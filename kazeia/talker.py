@@ -57,6 +57,6 @@ class Talker(nn.Module):
         """x (B, T, H) input vectors at positions [start, start+T) -> final-normed hidden (B, T, H)."""
         positions = torch.arange(start, start + x.shape[1], device=x.device)
         rope = self.rotary(positions, x.dtype)
-        for layer, layer_cache in zip(self.layers, cache):
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
             x = layer(x, rope, layer_cache, start)
         return self.norm(x)

@@ -11,9 +11,9 @@ them into tensors), and any dependency on `transformers`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterable, Mapping
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
@@ -78,7 +78,7 @@ class TextTokenizer:
         self._assistant_suffix = self._turn_end + assistant  # [151645, 198, 151644, 77091, 198]
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, regex: str = "qwen2") -> "TextTokenizer":
+    def from_dir(cls, path: str | Path, *, regex: str = "qwen2") -> TextTokenizer:
         """Load the tokenizer files at the root of a checkpoint directory.
 
         `regex` picks the pre-tokenizer split: "qwen2" (the standard Qwen2 one) or

@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from kazeia.testing import write_checkpoint  # noqa: E402
+from kazeia.testing import write_checkpoint
 
 TINY = {
     "0.6B-custom": ("0.6B", "custom_voice"),
@@ -20,8 +20,10 @@ TINY = {
 def tiny_checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
     """name -> directory of a tiny random checkpoint in the released layout."""
     root = tmp_path_factory.mktemp("checkpoints")
-    return {name: write_checkpoint(root / name, size, kind, tiny=True, seed=i)
-            for i, (name, (size, kind)) in enumerate(TINY.items())}
+    return {
+        name: write_checkpoint(root / name, size, kind, tiny=True, seed=i)
+        for i, (name, (size, kind)) in enumerate(TINY.items())
+    }
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,11 @@ import shutil
 
 import pytest
 import torch
+from reference import load_reference
 from safetensors.torch import load_file, save_file
 
 from kazeia import CheckpointError, Engine
 from kazeia.testing import CHECKPOINTS, FILES, model_config, model_tensors
-from reference import load_reference
 
 
 @pytest.mark.parametrize("size,kind", sorted(CHECKPOINTS))
@@ -47,8 +47,16 @@ def checkpoint_copy(tiny_checkpoints, tmp_path):
     return dst
 
 
-REQUIRED = ["config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt",
-            "tokenizer_config.json", "speech_tokenizer/config.json", "speech_tokenizer/model.safetensors"]
+REQUIRED = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "speech_tokenizer/config.json",
+    "speech_tokenizer/model.safetensors",
+]
 
 
 @pytest.mark.parametrize("name", REQUIRED)

@@ -13,16 +13,35 @@ from kazeia.cli import main
 
 def test_say_writes_a_wav_and_reports_rtf(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "out.wav"
-    code = main(["say", "Bonjour Kazeia.", "--model", str(tiny_checkpoints["0.6B-custom"]), "--voice", "serena",
-                 "--language", "french", "-o", str(out), "--seed", "3", "--max-new-tokens", "8"])
+    code = main(
+        [
+            "say",
+            "Bonjour Kazeia.",
+            "--model",
+            str(tiny_checkpoints["0.6B-custom"]),
+            "--voice",
+            "serena",
+            "--language",
+            "french",
+            "-o",
+            str(out),
+            "--seed",
+            "3",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
     assert code == 0
     audio, sr = sf.read(out, dtype="float32")
     assert sr == 24000 and len(audio) % 1920 == 0 and 1920 <= len(audio) <= 7 * 1920
     err = capsys.readouterr().err
     assert "RTF" in err and "seed 3" in err
     # The file holds the engine's audio (16-bit PCM).
-    expected = Engine.load(tiny_checkpoints["0.6B-custom"]).synthesize(
-        "Bonjour Kazeia.", voice="serena", language="french", seed=3, max_new_tokens=8).audio
+    expected = (
+        Engine.load(tiny_checkpoints["0.6B-custom"])
+        .synthesize("Bonjour Kazeia.", voice="serena", language="french", seed=3, max_new_tokens=8)
+        .audio
+    )
     assert np.max(np.abs(audio - expected)) < 1 / 16000
 
 
@@ -48,8 +67,18 @@ def test_bad_input_exits_2_with_one_line(tiny_checkpoints, tmp_path, capsys):
         ["say", " ", "--model", model, "--voice", "serena", "-o", str(tmp_path / "x.wav")],
         ["say", "Hi.", "--model", model, "--voice", "serena", "--temperature", "-1"],
         ["say", "Hi.", "--model", str(tmp_path / "missing"), "--voice", "serena"],
-        ["say", "Hi.", "--model", model, "--voice", "serena", "-o", str(tmp_path / "no" / "dir" / "x.wav"),
-         "--max-new-tokens", "3"],
+        [
+            "say",
+            "Hi.",
+            "--model",
+            model,
+            "--voice",
+            "serena",
+            "-o",
+            str(tmp_path / "no" / "dir" / "x.wav"),
+            "--max-new-tokens",
+            "3",
+        ],
     ]
     for argv in cases:
         assert main(argv) == 2
@@ -63,8 +92,26 @@ def test_random_checkpoint_and_console_script(tmp_path):
     run = subprocess.run([exe, "random-checkpoint", str(ckpt)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     out = tmp_path / "demo.wav"
-    run = subprocess.run([sys.executable, "-m", "kazeia", "say", "Hello.", "--model", str(ckpt), "--voice", "ryan",
-                          "--max-new-tokens", "5", "-o", str(out)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kazeia",
+            "say",
+            "Hello.",
+            "--model",
+            str(ckpt),
+            "--voice",
+            "ryan",
+            "--max-new-tokens",
+            "5",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     assert sf.info(out).samplerate == 24000
     run = subprocess.run([exe, "say", "Hello.", "--model", str(ckpt)], capture_output=True, text=True, timeout=300)

@@ -54,14 +54,16 @@ def test_output_shapes_and_metrics(engines):
 
 
 def test_greedy_runs_to_the_token_limit_or_eos(engines):
-    speech = engines["0.6B-custom"].synthesize("Count.", voice="serena", do_sample=False,
-                                               subtalker_dosample=False, max_new_tokens=10)
+    speech = engines["0.6B-custom"].synthesize(
+        "Count.", voice="serena", do_sample=False, subtalker_dosample=False, max_new_tokens=10
+    )
     assert speech.codes.shape[0] <= 9
 
 
 def test_voices_and_languages(engines):
     custom = engines["0.6B-custom"]
-    assert custom.voices == sorted(["serena", "vivian", "uncle_fu", "ryan", "aiden", "ono_anna", "sohee", "eric", "dylan"])
+    expected = ["serena", "vivian", "uncle_fu", "ryan", "aiden", "ono_anna", "sohee", "eric", "dylan"]
+    assert custom.voices == sorted(expected)
     assert custom.languages[0] == "auto"
     assert "beijing_dialect" not in custom.languages and "french" in custom.languages
     assert len(custom.languages) == 11
@@ -77,9 +79,18 @@ def test_voice_and_language_are_case_insensitive(engines):
 
 def test_defaults_come_from_generation_config(engines):
     d = engines["0.6B-custom"].defaults
-    assert d == SamplingOptions(do_sample=True, temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05,
-                                max_new_tokens=8192, subtalker_dosample=True, subtalker_temperature=0.9,
-                                subtalker_top_k=50, subtalker_top_p=1.0)
+    assert d == SamplingOptions(
+        do_sample=True,
+        temperature=0.9,
+        top_k=50,
+        top_p=1.0,
+        repetition_penalty=1.05,
+        max_new_tokens=8192,
+        subtalker_dosample=True,
+        subtalker_temperature=0.9,
+        subtalker_top_k=50,
+        subtalker_top_p=1.0,
+    )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -41,7 +41,8 @@ def model_config(size: str, kind: str, tiny: bool) -> dict:
     """The released config.json of (size, kind), shrunk when `tiny`."""
     name = CHECKPOINTS.get((size, kind))
     if name is None:
-        raise ValueError(f"no released checkpoint of size {size!r} and kind {kind!r}; choose from {sorted(CHECKPOINTS)}")
+        choices = sorted(CHECKPOINTS)
+        raise ValueError(f"no released checkpoint of size {size!r} and kind {kind!r}; choose from {choices}")
     cfg = json.loads((FILES / name / "config.json").read_text())
     if tiny:
         talker = cfg["talker_config"]
@@ -62,47 +63,54 @@ def _linear(out: int, inp: int, gen, dtype) -> torch.Tensor:
 
 def _stack_tensors(prefix: str, c: dict, gen, dtype) -> dict[str, torch.Tensor]:
     """Tensors of one Qwen3 decoder stack (layers + final norm) under `prefix`."""
-    H, I, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    H, inner, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     ones = lambda n: torch.ones(n, dtype=dtype, device="cpu" if gen is not None else "meta")  # noqa: E731
     out = {f"{prefix}norm.weight": ones(H)}
     for i in range(c["num_hidden_layers"]):
         p = f"{prefix}layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": ones(H),
-            p + "post_attention_layernorm.weight": ones(H),
-            p + "self_attn.q_proj.weight": _linear(q, H, gen, dtype),
-            p + "self_attn.k_proj.weight": _linear(kv, H, gen, dtype),
-            p + "self_attn.v_proj.weight": _linear(kv, H, gen, dtype),
-            p + "self_attn.o_proj.weight": _linear(H, q, gen, dtype),
-            p + "self_attn.q_norm.weight": ones(hd),
-            p + "self_attn.k_norm.weight": ones(hd),
-            p + "mlp.gate_proj.weight": _linear(I, H, gen, dtype),
-            p + "mlp.up_proj.weight": _linear(I, H, gen, dtype),
-            p + "mlp.down_proj.weight": _linear(H, I, gen, dtype),
-        })
+        out.update(
+            {
+                p + "input_layernorm.weight": ones(H),
+                p + "post_attention_layernorm.weight": ones(H),
+                p + "self_attn.q_proj.weight": _linear(q, H, gen, dtype),
+                p + "self_attn.k_proj.weight": _linear(kv, H, gen, dtype),
+                p + "self_attn.v_proj.weight": _linear(kv, H, gen, dtype),
+                p + "self_attn.o_proj.weight": _linear(H, q, gen, dtype),
+                p + "self_attn.q_norm.weight": ones(hd),
+                p + "self_attn.k_norm.weight": ones(hd),
+                p + "mlp.gate_proj.weight": _linear(inner, H, gen, dtype),
+                p + "mlp.up_proj.weight": _linear(inner, H, gen, dtype),
+                p + "mlp.down_proj.weight": _linear(H, inner, gen, dtype),
+            }
+        )
     return out
 
 
-def model_tensors(cfg: dict, gen: torch.Generator | None, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def model_tensors(
+    cfg: dict, gen: torch.Generator | None, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Every tensor of `model.safetensors` for a config.json dict, with released names.
 
     With `gen=None` the tensors live on the meta device (names and shapes only)."""
     t, cp = cfg["talker_config"], cfg["talker_config"]["code_predictor_config"]
     H, T, P = t["hidden_size"], t["text_hidden_size"], cp["hidden_size"]
     out = _stack_tensors("talker.model.", t, gen, dtype)
-    out.update({
-        "talker.model.text_embedding.weight": _normal((t["text_vocab_size"], T), 1.0, gen, dtype),
-        "talker.model.codec_embedding.weight": _normal((t["vocab_size"], H), 1.0, gen, dtype),
-        "talker.text_projection.linear_fc1.weight": _linear(T, T, gen, dtype),
-        "talker.text_projection.linear_fc1.bias": _normal((T,), 0.02, gen, dtype),
-        "talker.text_projection.linear_fc2.weight": _linear(H, T, gen, dtype),
-        "talker.text_projection.linear_fc2.bias": _normal((H,), 0.02, gen, dtype),
-        "talker.codec_head.weight": _linear(t["vocab_size"], H, gen, dtype),
-    })
+    out.update(
+        {
+            "talker.model.text_embedding.weight": _normal((t["text_vocab_size"], T), 1.0, gen, dtype),
+            "talker.model.codec_embedding.weight": _normal((t["vocab_size"], H), 1.0, gen, dtype),
+            "talker.text_projection.linear_fc1.weight": _linear(T, T, gen, dtype),
+            "talker.text_projection.linear_fc1.bias": _normal((T,), 0.02, gen, dtype),
+            "talker.text_projection.linear_fc2.weight": _linear(H, T, gen, dtype),
+            "talker.text_projection.linear_fc2.bias": _normal((H,), 0.02, gen, dtype),
+            "talker.codec_head.weight": _linear(t["vocab_size"], H, gen, dtype),
+        }
+    )
     out.update(_stack_tensors("talker.code_predictor.model.", cp, gen, dtype))
     for g in range(t["num_code_groups"] - 1):
-        out[f"talker.code_predictor.model.codec_embedding.{g}.weight"] = _normal((cp["vocab_size"], H), 1.0, gen, dtype)
+        embedding = _normal((cp["vocab_size"], H), 1.0, gen, dtype)
+        out[f"talker.code_predictor.model.codec_embedding.{g}.weight"] = embedding
         out[f"talker.code_predictor.lm_head.{g}.weight"] = _linear(cp["vocab_size"], P, gen, dtype)
     if H != P:
         out["talker.code_predictor.small_to_mtp_projection.weight"] = _linear(P, H, gen, dtype)
@@ -128,7 +136,8 @@ def write_checkpoint(
         shutil.copyfile(source / name, root / name)
     for name in ("vocab.json", "merges.txt"):
         shutil.copyfile(FILES / "text-tokenizer" / name, root / name)
-    shutil.copyfile(source / "speech_tokenizer" / "preprocessor_config.json", root / "speech_tokenizer" / "preprocessor_config.json")
+    preprocessor = "speech_tokenizer/preprocessor_config.json"
+    shutil.copyfile(source / preprocessor, root / preprocessor)
     (root / "config.json").write_text(json.dumps(cfg, indent=2))
     speech_cfg = json.loads((source / "speech_tokenizer" / "config.json").read_text())
     if tiny:
