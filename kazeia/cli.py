@@ -7,6 +7,7 @@ and one line on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -94,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument(
         "-o", "--output", default="out.wav", help="output file; format from the extension (default: %(default)s)"
     )
+    say.add_argument(
+        "--stream",
+        action="store_true",
+        help="write audio as it is generated: a WAV file, or raw 16-bit PCM to stdout with -o -",
+    )
+    say.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first streamed chunk")
+    say.add_argument("--chunk-frames", type=int, default=4, help="frames in each later streamed chunk")
     _sampling_args(say)
 
     voices = sub.add_parser("voices", help="list the voices and languages of a checkpoint")
@@ -127,6 +135,8 @@ def _say(args) -> int:
     sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     if args.greedy:
         sampling.update(do_sample=False, subtalker_dosample=False)
+    if args.stream:
+        return _say_streaming(engine, args, sampling)
     speech = engine.synthesize(
         args.text,
         voice=args.voice,
@@ -141,6 +151,37 @@ def _say(args) -> int:
     print(
         f"{args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames) in {m.wall_s:.2f} s, "
         f"RTF {m.rtf:.2f}, seed {m.seed}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _say_streaming(engine, args, sampling) -> int:
+    from .audio import open_wav_writer, pcm16
+
+    to_stdout = args.output == "-"
+    stream = engine.stream(
+        args.text,
+        voice=args.voice,
+        language=args.language,
+        instruct=args.instruct,
+        seed=args.seed,
+        non_streaming_mode=args.non_streaming_mode,
+        first_chunk_frames=args.first_chunk_frames,
+        chunk_frames=args.chunk_frames,
+        **sampling,
+    )
+    with stream, contextlib.nullcontext(sys.stdout.buffer) if to_stdout else open_wav_writer(args.output) as sink:
+        for chunk in stream:
+            if to_stdout:
+                sink.write(pcm16(chunk.audio))
+                sink.flush()
+            else:
+                sink.write(chunk.audio)
+    m = stream.metrics
+    print(
+        f"{'stdout' if to_stdout else args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames, {m.chunks} chunks) "
+        f"in {m.wall_s:.2f} s, TTFB {m.ttfb_s * 1000:.0f} ms, RTF {m.rtf:.2f}, seed {m.seed}",
         file=sys.stderr,
     )
     return 0
@@ -167,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     run = {"say": _say, "voices": _voices, "random-checkpoint": _random_checkpoint}[args.command]
     try:
         return run(args)
+    except BrokenPipeError:  # the reader of `-o -` went away: stop quietly
+        sys.stderr.close()
+        return 141
     except (ValueError, OSError) as e:
         print(f"kazeia: error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from .generate import frames
 from .model import TTSModel
 from .prompt import Conditioning, build_prompt
 from .sampling import SamplingOptions
+from .streaming import ChunkSchedule, SpeechStream
 from .text import TextTokenizer
 from .vocoder import Vocoder
 
@@ -103,7 +104,7 @@ class Engine:
         files = resolve(path_or_id, offline=offline)
         cfg = ModelConfig.from_file(files["config.json"])
         gen = GenerationDefaults.from_file(files["generation_config.json"])
-        defaults = SamplingOptions(**{n: getattr(gen, n) for n in SamplingOptions.names()})
+        defaults = SamplingOptions(**{n: getattr(gen, n) for n in SamplingOptions.names() if hasattr(gen, n)})
         tokenizer = TextTokenizer.from_dir(files.root, regex=tokenizer_regex)
         model = TTSModel.load(cfg, files["model.safetensors"], torch_device, weights)
         vocoder = Vocoder.load(files["speech_tokenizer"], device=torch_device, dtype=vocoder_weights)
@@ -151,6 +152,32 @@ class Engine:
         audio_s = len(audio) / SAMPLE_RATE
         metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, request.seed)
         return Speech(audio, SAMPLE_RATE, code_matrix.cpu().numpy(), metrics)
+
+    def stream(
+        self,
+        text: str,
+        voice: str | None = None,
+        language: str | None = None,
+        instruct: str | None = None,
+        seed: int | None = None,
+        non_streaming_mode: bool | None = None,
+        first_chunk_frames: int = 1,
+        chunk_frames: int = 4,
+        **sampling,
+    ) -> SpeechStream:
+        """Like `synthesize`, but yields `AudioChunk`s while generating.
+
+        The first chunk holds `first_chunk_frames` frames (80 ms each), later ones `chunk_frames`.
+        The schedule changes only latency and overhead: the codes equal `synthesize`'s for the same
+        seed and the concatenated audio equals its audio (within float rounding, ~1e-6). Use it as an
+        iterator, ideally in a `with` block; closing it stops generation before the next frame.
+        """
+        started = time.perf_counter()
+        schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
+        request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        return SpeechStream(
+            lambda should_stop: self.frames(request, should_stop), self.vocoder, schedule, request.seed, started
+        )
 
     def request(
         self, text, voice=None, language=None, instruct=None, seed=None, non_streaming_mode=None, **sampling

@@ -31,9 +31,10 @@ class SamplingOptions:
     subtalker_temperature: float = 0.9
     subtalker_top_k: int = 50
     subtalker_top_p: float = 1.0
+    ignore_eos: bool = False  # never sample EOS: exactly max_new_tokens - 1 frames (benchmarks)
 
     def __post_init__(self) -> None:
-        for name in ("do_sample", "subtalker_dosample"):
+        for name in ("do_sample", "subtalker_dosample", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("temperature", "subtalker_temperature"):
@@ -69,7 +70,7 @@ def talker_scores(logits: torch.Tensor, generated: torch.Tensor, opts: SamplingO
     vocab = scores.shape[-1]
     blocked = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
     blocked[vocab - CONTROL_ROWS :] = True
-    blocked[eos_id] = generated.shape[1] < MIN_NEW_TOKENS
+    blocked[eos_id] = opts.ignore_eos or generated.shape[1] < MIN_NEW_TOKENS
     return scores.masked_fill(blocked, float("-inf"))
 
 

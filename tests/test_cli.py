@@ -116,3 +116,35 @@ def test_random_checkpoint_and_console_script(tmp_path):
     assert sf.info(out).samplerate == 24000
     run = subprocess.run([exe, "say", "Hello.", "--model", str(ckpt)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "voice is required" in run.stderr
+
+
+def test_stream_to_wav_and_to_stdout(tiny_checkpoints, tmp_path):
+    model = str(tiny_checkpoints["0.6B-custom"])
+    base = [
+        sys.executable,
+        "-m",
+        "kazeia",
+        "say",
+        "Streaming now.",
+        "--model",
+        model,
+        "--voice",
+        "ryan",
+        "--seed",
+        "5",
+        "--max-new-tokens",
+        "12",
+        "--stream",
+    ]
+    wav = tmp_path / "s.wav"
+    run = subprocess.run(base + ["-o", str(wav)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "TTFB" in run.stderr and "RTF" in run.stderr
+    audio, sr = sf.read(wav, dtype="float32")
+    pcm = subprocess.run(base + ["-o", "-"], capture_output=True, timeout=300)
+    assert pcm.returncode == 0, pcm.stderr
+    raw = np.frombuffer(pcm.stdout, dtype="<i2").astype(np.float32) / 32767
+    assert sr == 24000 and len(raw) == len(audio) and len(audio) % 1920 == 0
+    assert np.max(np.abs(raw - audio)) < 2 / 32767
+    offline = Engine.load(model).synthesize("Streaming now.", voice="ryan", seed=5, max_new_tokens=12).audio
+    assert np.max(np.abs(audio - offline)) < 2 / 32767

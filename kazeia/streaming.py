@@ -1,0 +1,213 @@
+"""Streaming synthesis: generation in a worker thread, the vocoder in the caller's, chunk by chunk.
+
+The worker drains the frame generator (talker + code predictor) into a bounded queue; iterating
+the `SpeechStream` takes frames from it, decodes each chunk with the stateful vocoder and yields
+`AudioChunk`s. Vocoder work therefore overlaps generation, the first chunk is decoded as soon as
+its frames exist, and no frame is ever decoded twice. Closing the stream (or leaving a `for` loop
+over it, or a `with` block) stops generation before the next frame and joins the worker; an
+exception in the worker is raised to the caller.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .audio import SAMPLE_RATE
+from .vocoder import Vocoder, VocoderState
+
+QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    """One piece of a stream."""
+
+    audio: np.ndarray  # (frames * 1920,) float32 mono, 24 kHz
+    start_sample: int  # offset of audio[0] in the whole utterance
+    frames: int  # code frames in this chunk (0 only for an empty closing chunk)
+    is_last: bool  # no chunk follows
+
+
+@dataclass(frozen=True)
+class StreamMetrics:
+    """Timing of one stream (complete once the stream is exhausted)."""
+
+    ttfb_s: float  # seconds from the call to the first audio chunk
+    chunks: int  # chunks yielded
+    frames: int  # code frames generated
+    audio_s: float  # seconds of audio
+    wall_s: float  # seconds from the call to the last chunk
+    rtf: float  # wall_s / audio_s
+    prefill_s: float  # seconds from the call to the first generated frame
+    seed: int  # the seed that drove sampling
+
+
+@dataclass(frozen=True)
+class ChunkSchedule:
+    """Frames per chunk: `first` for the first chunk (latency), then `rest` (overhead)."""
+
+    first: int = 1
+    rest: int = 4
+
+    def __post_init__(self) -> None:
+        for name, value in (("first_chunk_frames", self.first), ("chunk_frames", self.rest)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    def size(self, index: int) -> int:
+        return self.first if index == 0 else self.rest
+
+
+class _Progress:
+    """What the worker reports back (plain attributes, written by the worker only)."""
+
+    frames = 0  # frames generated so far
+    first_frame_at: float | None = None  # perf_counter() of the first frame
+
+
+def _generate(make_frames, frames_out: queue.Queue, stop: threading.Event, progress: _Progress) -> None:
+    """Worker: put each generated frame, then _DONE (or the exception), on the queue.
+
+    Holds no reference to the SpeechStream, so dropping the stream (e.g. leaving a `for` loop over
+    a temporary) collects it, and its finaliser stops this worker.
+    """
+    try:
+        for frame in make_frames(stop.is_set):
+            if progress.first_frame_at is None:
+                progress.first_frame_at = time.perf_counter()
+            progress.frames += 1
+            if not _put(frames_out, frame, stop):
+                return
+        _put(frames_out, _DONE, stop)
+    except BaseException as error:
+        _put(frames_out, error, stop)
+
+
+def _put(frames_out: queue.Queue, item, stop: threading.Event) -> bool:
+    """Block while the queue is full; give up (False) once the stream is closed."""
+    while not stop.is_set():
+        try:
+            frames_out.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+class SpeechStream:
+    """Iterator of `AudioChunk`s; `metrics` and `codes` are set once the last chunk is out."""
+
+    def __init__(
+        self,
+        make_frames: Callable[[Callable[[], bool]], Iterator[torch.Tensor]],
+        vocoder: Vocoder,
+        schedule: ChunkSchedule,
+        seed: int,
+        started: float,
+    ):
+        self.metrics: StreamMetrics | None = None
+        self.codes: np.ndarray | None = None  # (frames, 16) int64 once complete
+        self._vocoder, self._schedule, self._seed, self._started = vocoder, schedule, seed, started
+        self._state: VocoderState = vocoder.new_state()
+        self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_FRAMES)
+        self._stop = threading.Event()
+        self._progress = _Progress()
+        self._pending: list[torch.Tensor] = []  # frames waiting for their chunk
+        self._codes: list[torch.Tensor] = []  # frames already decoded
+        self._lookahead = None  # an item taken from the queue early, to mark the last chunk
+        self._chunks = self._samples = 0
+        self._ttfb: float | None = None
+        self._done = False
+        args = (make_frames, self._queue, self._stop, self._progress)
+        self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
+        self._worker.start()
+
+    @property
+    def frames_generated(self) -> int:
+        """Frames the worker has produced so far (it may run ahead of the chunks yielded)."""
+        return self._progress.frames
+
+    def __iter__(self) -> SpeechStream:
+        return self
+
+    def __next__(self) -> AudioChunk:
+        if self._done:
+            raise StopIteration
+        try:
+            while True:
+                item = self._lookahead if self._lookahead is not None else self._take(block=True)
+                self._lookahead = None
+                if item is _DONE:
+                    return self._emit(is_last=True)
+                self._pending.append(item)
+                if len(self._pending) >= self._schedule.size(self._chunks):
+                    self._lookahead = self._take(block=False)
+                    return self._emit(is_last=self._lookahead is _DONE)
+        except BaseException:
+            self.close()
+            raise
+
+    def _take(self, block: bool):
+        """The next queued item (a frame or _DONE); None when not blocking and nothing is there."""
+        try:
+            item = self._queue.get(block=block)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _emit(self, is_last: bool) -> AudioChunk:
+        frames, self._pending = self._pending, []
+        if frames:
+            with torch.inference_mode():
+                audio = self._vocoder.decode_chunk(torch.stack(frames), self._state)  # (n * 1920,)
+            samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
+        else:  # the end became known only after the previous chunk went out
+            samples = np.zeros(0, dtype=np.float32)
+        chunk = AudioChunk(samples, self._samples, len(frames), is_last)
+        self._codes += frames
+        self._chunks += 1
+        self._samples += len(samples)
+        if self._ttfb is None:
+            self._ttfb = time.perf_counter() - self._started
+        if is_last:
+            self._finish()
+        return chunk
+
+    def _finish(self) -> None:
+        wall = time.perf_counter() - self._started
+        audio_s = self._samples / SAMPLE_RATE
+        prefill = (self._progress.first_frame_at or self._started) - self._started
+        self.codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
+        rtf = wall / audio_s if audio_s else float("inf")
+        self.metrics = StreamMetrics(
+            self._ttfb, self._chunks, len(self._codes), audio_s, wall, rtf, prefill, self._seed
+        )
+        self.close()
+
+    def close(self) -> None:
+        """Stop generation (before its next frame) and wait for the worker to end."""
+        self._done = True
+        self._stop.set()
+        if self._worker is not threading.current_thread():
+            self._worker.join()
+
+    def __enter__(self) -> SpeechStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()

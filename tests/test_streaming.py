@@ -1,0 +1,127 @@
+"""Streaming: any chunk schedule gives the offline codes and audio; closing stops the worker."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kazeia.streaming import QUEUE_FRAMES
+
+TEXT = "Streaming should sound exactly like offline synthesis."
+
+
+def _workers() -> int:
+    return sum(t.name == "kazeia-generate" for t in threading.enumerate())
+
+
+def _check_stream(stream, offline):
+    chunks = list(stream)
+    assert chunks and chunks[-1].is_last and not any(c.is_last for c in chunks[:-1])
+    starts = np.cumsum([0] + [len(c.audio) for c in chunks[:-1]])
+    assert [c.start_sample for c in chunks] == list(starts)
+    assert all(len(c.audio) == 1920 * c.frames for c in chunks)
+    assert all(c.frames >= 1 for c in chunks[:-1])
+    np.testing.assert_array_equal(stream.codes, offline.codes)
+    audio = np.concatenate([c.audio for c in chunks])
+    assert audio.shape == offline.audio.shape
+    assert np.max(np.abs(audio - offline.audio)) <= 1e-5
+    m = stream.metrics
+    assert m.frames == len(offline.codes) and m.chunks == len(chunks)
+    assert m.audio_s == pytest.approx(offline.metrics.audio_s)
+    assert 0 < m.prefill_s <= m.ttfb_s <= m.wall_s and m.rtf == pytest.approx(m.wall_s / m.audio_s)
+    return chunks
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(first=st.integers(1, 6), rest=st.integers(1, 9), seed=st.integers(0, 2**32), layout=st.booleans())
+def test_any_schedule_equals_offline(engines, first, rest, seed, layout):
+    engine = engines["0.6B-custom"]
+    options = dict(voice="serena", seed=seed, max_new_tokens=40, non_streaming_mode=layout)
+    offline = engine.synthesize(TEXT, **options)
+    chunks = _check_stream(engine.stream(TEXT, first_chunk_frames=first, chunk_frames=rest, **options), offline)
+    assert chunks[0].frames == min(first, len(offline.codes))
+
+
+def test_default_schedule_starts_with_one_frame(engines):
+    engine = engines["1.7B-design"]
+    options = dict(instruct="A calm voice.", seed=11, max_new_tokens=30)
+    offline = engine.synthesize(TEXT, **options)
+    chunks = _check_stream(engine.stream(TEXT, **options), offline)
+    assert chunks[0].frames == 1 and {c.frames for c in chunks[1:-1]} <= {4}
+
+
+def test_greedy_stream_is_deterministic_across_schedules(engines):
+    engine = engines["1.7B-custom"]
+    options = dict(voice="dylan", do_sample=False, subtalker_dosample=False, max_new_tokens=25)
+    runs = [engine.stream(TEXT, first_chunk_frames=f, chunk_frames=c, **options) for f, c in [(1, 1), (2, 7)]]
+    for run in runs:
+        list(run)
+    np.testing.assert_array_equal(runs[0].codes, runs[1].codes)
+
+
+def test_closing_early_stops_generation_and_releases_the_worker(engines):
+    engine = engines["0.6B-custom"]
+    stream = engine.stream(TEXT, voice="ryan", seed=1, max_new_tokens=2000, ignore_eos=True)
+    first = next(stream)
+    assert first.frames == 1 and not first.is_last
+    stream.close()
+    assert not any(t.name == "kazeia-generate" and t.is_alive() for t in threading.enumerate())
+    stopped_at = stream.frames_generated
+    assert stopped_at < QUEUE_FRAMES + 2  # it never ran past its queue, let alone to 2000 frames
+    time.sleep(0.2)
+    assert stream.frames_generated == stopped_at
+    with pytest.raises(StopIteration):
+        next(stream)
+
+
+def test_breaking_out_of_a_loop_releases_the_worker(engines):
+    engine = engines["0.6B-custom"]
+    before = _workers()
+    for _chunk in engine.stream(TEXT, voice="ryan", seed=2, max_new_tokens=2000, ignore_eos=True):
+        break
+    deadline = time.monotonic() + 5
+    while _workers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _workers() == before
+    with engine.stream(TEXT, voice="ryan", seed=2, max_new_tokens=2000, ignore_eos=True) as stream:
+        next(stream)
+    assert _workers() == before
+
+
+def test_worker_errors_reach_the_caller(engines, monkeypatch):
+    engine = engines["0.6B-custom"]
+    predictor = engine.model.code_predictor
+    calls = {"n": 0}
+    original = type(predictor).forward
+
+    def failing(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 40:
+            raise RuntimeError("predictor exploded")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(predictor), "forward", failing)
+    with pytest.raises(RuntimeError, match="predictor exploded"):
+        list(engine.stream(TEXT, voice="ryan", seed=3, max_new_tokens=100, ignore_eos=True))
+    assert _workers() == 0
+
+
+def test_ignore_eos_generates_exactly_the_limit(engines):
+    speech = engines["0.6B-custom"].synthesize(TEXT, voice="ryan", seed=4, max_new_tokens=17, ignore_eos=True)
+    assert speech.codes.shape == (16, 16) and (speech.codes[:, 0] < 2048).all()
+
+
+@pytest.mark.parametrize("first,rest", [(0, 4), (1, 0), (1, 2.5), (True, 4)])
+def test_bad_schedule(engines, first, rest):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        engines["0.6B-custom"].stream(TEXT, voice="ryan", first_chunk_frames=first, chunk_frames=rest)
+
+
+def test_bad_request_fails_before_any_thread_starts(engines):
+    before = _workers()
+    with pytest.raises(ValueError, match="unknown voice"):
+        engines["0.6B-custom"].stream(TEXT, voice="nobody")
+    assert _workers() == before
