@@ -30,7 +30,9 @@ CODEBOOK_EPS = 1e-5  # clamp on cluster_usage when turning running sums into cod
 SNAKE_EPS = 1e-9
 CONVNEXT_NORM_EPS = 1e-6
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-OFFLINE_BLOCK = 300  # frames per decode_chunk call inside forward; bounds memory, never changes the audio
+# Frames per decode_chunk call in `forward`: bounds memory and keeps activations in cache (32 was
+# the fastest measured on a 2-core CPU: 35 ms/frame against 51 for 96-frame blocks). Never changes the audio.
+OFFLINE_BLOCK = 32
 
 
 class WindowCache:
@@ -102,13 +104,24 @@ class TransConv(nn.Module):
         self.slot = -1
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        """x (B, C_in, L) -> (B, C_out, L*s)."""
-        length = x.shape[-1] * self.stride
+        """x (B, C_in, L) -> (B, C_out, L*s).
+
+        Computed as one matrix product per input sample (each input spreads k outputs) and an
+        overlap-add of the `keep` previous inputs' spill-over: the same sums as ConvTranspose1d, but
+        without its slow small-input kernel on the CPU.
+        """
+        B, _, L = x.shape
+        s, (cin, cout, k) = self.stride, self.conv.weight.shape
         if self.keep > 0:
             x = torch.cat((state.tails[self.slot], x), dim=-1)  # (B, C_in, keep + L)
             state.tails[self.slot] = x[..., -self.keep :].clone()
-        first = self.keep * self.stride  # outputs that belong to the previous chunk
-        return self.conv(x)[..., first : first + length]
+        spread = torch.matmul(x.transpose(1, 2), self.conv.weight.reshape(cin, cout * k))  # (B, keep + L, C_out*k)
+        spread = spread.view(B, -1, cout, k // s, s)  # (B, keep + L, C_out, taps, s)
+        y = spread[:, self.keep :, :, 0]
+        for tap in range(1, k // s):  # input t - tap adds its tap-th block of s outputs
+            y = y + spread[:, self.keep - tap : self.keep - tap + L, :, tap]
+        y = y.permute(0, 2, 1, 3).reshape(B, cout, L * s)  # (B, C_out, L*s)
+        return y + self.conv.bias[:, None]
 
 
 class SnakeBeta(nn.Module):

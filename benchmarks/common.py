@@ -1,0 +1,40 @@
+"""Shared by the benchmarks: cached real-size random checkpoints and a description of the machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from kazeia.testing import write_checkpoint
+
+CACHE = Path(os.environ.get("KAZEIA_BENCH_DIR", Path.home() / ".cache" / "kazeia" / "bench"))
+
+
+def real_checkpoint(size: str = "0.6B", kind: str = "custom_voice") -> Path:
+    """A real-dimension random checkpoint (bfloat16 weights, as released), written once and cached."""
+    path = CACHE / f"{size}-{kind}"
+    if not (path / "speech_tokenizer" / "model.safetensors").is_file():
+        print(f"writing a real-size random {size} {kind} checkpoint to {path} (once) ...", flush=True)
+        write_checkpoint(path, size, kind, tiny=False, seed=0, dtype=torch.bfloat16)
+    return path
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
