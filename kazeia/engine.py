@@ -27,21 +27,9 @@ from .generate import frames
 from .model import TTSModel
 from .prompt import Conditioning, build_prompt
 from .sampling import SamplingOptions
-from .streaming import ChunkSchedule, SpeechStream
+from .streaming import ChunkSchedule, Metrics, SpeechStream
 from .text import TextTokenizer
 from .vocoder import Vocoder
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """Timing of one synthesis."""
-
-    frames: int  # code frames generated (80 ms each)
-    audio_s: float  # seconds of audio produced
-    wall_s: float  # seconds from the call to the last sample
-    rtf: float  # real-time factor: wall_s / audio_s (below 1 is faster than real time)
-    prefill_s: float  # seconds to build the prompt and run the talker prefill
-    seed: int  # the seed that drove sampling (replays the same result)
 
 
 @dataclass(frozen=True)
@@ -136,9 +124,17 @@ class Engine:
         instruct: str | None = None,
         seed: int | None = None,
         non_streaming_mode: bool | None = None,
+        reference_chunked_decode: bool = False,
         **sampling,
     ) -> Speech:
-        """Synthesize `text`; `sampling` takes the `SamplingOptions` fields (reference names)."""
+        """Synthesize `text`; `sampling` takes the `SamplingOptions` fields (reference names).
+
+        The audio is one exact causal decode of all codes. `reference_chunked_decode=True` instead
+        reproduces the reference's decode, which restarts every 300 frames (24 s) from 25 frames of
+        context: identical up to 300 frames, an approximation after (for comparisons only).
+        """
+        if not isinstance(reference_chunked_decode, bool):
+            raise ValueError(f"reference_chunked_decode must be True or False, got {reference_chunked_decode!r}")
         start = time.perf_counter()
         request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
         codes, prefill_s = [], 0.0
@@ -147,10 +143,10 @@ class Engine:
                 prefill_s = time.perf_counter() - start
             codes.append(frame)
         code_matrix = torch.stack(codes)  # (frames, 16)
-        audio = self.decode(code_matrix)
+        audio = self.decode(code_matrix, reference_chunked=reference_chunked_decode)
         wall = time.perf_counter() - start
         audio_s = len(audio) / SAMPLE_RATE
-        metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, request.seed)
+        metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed)
         return Speech(audio, SAMPLE_RATE, code_matrix.cpu().numpy(), metrics)
 
     def stream(
@@ -208,9 +204,11 @@ class Engine:
         return frames(m.talker, m.code_predictor, prompt, request.options, eos, generator, should_stop)
 
     @torch.inference_mode()
-    def decode(self, codes: torch.Tensor) -> np.ndarray:
-        """codes (frames, 16) -> float32 audio (frames * 1920,) in one exact causal decode."""
-        audio = self.vocoder(codes.to(self.device)[None])  # (1, samples)
+    def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
+        """codes (frames, 16) -> float32 audio (frames * 1920,): one exact causal decode, or the
+        reference's 300-frame restarts with `reference_chunked`."""
+        codes = codes.to(self.device)[None]
+        audio = self.vocoder.decode_reference_chunked(codes) if reference_chunked else self.vocoder(codes)
         return audio[0].float().cpu().numpy().astype(np.float32, copy=False)
 
     # -- validation -------------------------------------------------------------------------

@@ -37,17 +37,17 @@ class AudioChunk:
 
 
 @dataclass(frozen=True)
-class StreamMetrics:
-    """Timing of one stream (complete once the stream is exhausted)."""
+class Metrics:
+    """Timing of one synthesis, streamed or not (a stream's is complete once it is exhausted)."""
 
-    ttfb_s: float  # seconds from the call to the first audio chunk
-    chunks: int  # chunks yielded
-    frames: int  # code frames generated
-    audio_s: float  # seconds of audio
-    wall_s: float  # seconds from the call to the last chunk
-    rtf: float  # wall_s / audio_s
+    frames: int  # code frames generated (80 ms each)
+    audio_s: float  # seconds of audio produced
+    wall_s: float  # seconds from the call to the last sample
+    rtf: float  # real-time factor: wall_s / audio_s (below 1 is faster than real time)
     prefill_s: float  # seconds from the call to the first generated frame
-    seed: int  # the seed that drove sampling
+    ttfb_s: float  # seconds from the call to the first audio (offline: all audio comes at the end)
+    chunks: int  # audio chunks delivered (offline: 1)
+    seed: int  # the seed that drove sampling (replays the same result)
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class SpeechStream:
         seed: int,
         started: float,
     ):
-        self.metrics: StreamMetrics | None = None
+        self.metrics: Metrics | None = None
         self.codes: np.ndarray | None = None  # (frames, 16) int64 once complete
         self._vocoder, self._schedule, self._seed, self._started = vocoder, schedule, seed, started
         self._state: VocoderState = vocoder.new_state()
@@ -189,9 +189,7 @@ class SpeechStream:
         prefill = (self._progress.first_frame_at or self._started) - self._started
         self.codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
         rtf = wall / audio_s if audio_s else float("inf")
-        self.metrics = StreamMetrics(
-            self._ttfb, self._chunks, len(self._codes), audio_s, wall, rtf, prefill, self._seed
-        )
+        self.metrics = Metrics(len(self._codes), audio_s, wall, rtf, prefill, self._ttfb, self._chunks, self._seed)
         self.close()
 
     def close(self) -> None:

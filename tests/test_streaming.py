@@ -125,3 +125,18 @@ def test_bad_request_fails_before_any_thread_starts(engines):
     with pytest.raises(ValueError, match="unknown voice"):
         engines["0.6B-custom"].stream(TEXT, voice="nobody")
     assert _workers() == before
+
+
+def test_reference_chunked_decode_option(engines):
+    """The reference's 300/25 restart decode equals the exact decode up to 300 frames, then departs."""
+    engine = engines["0.6B-custom"]
+    options = dict(voice="ryan", seed=6, max_new_tokens=331, ignore_eos=True)
+    exact = engine.synthesize(TEXT, **options)
+    chunked = engine.synthesize(TEXT, reference_chunked_decode=True, **options)
+    np.testing.assert_array_equal(exact.codes, chunked.codes)
+    cut = 300 * 1920
+    assert exact.audio.shape == chunked.audio.shape == (330 * 1920,)
+    assert np.max(np.abs(exact.audio[:cut] - chunked.audio[:cut])) <= 1e-5
+    assert np.max(np.abs(exact.audio[cut:] - chunked.audio[cut:])) > 1e-4
+    with pytest.raises(ValueError, match="reference_chunked_decode must be True or False"):
+        engine.synthesize(TEXT, voice="ryan", reference_chunked_decode="yes")
