@@ -29,7 +29,8 @@ REQUIRED_FILES = (
     "speech_tokenizer/model.safetensors",
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weight precisions of the talker and code predictor; "int8" is quantized at load (kazeia/quant.py).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8"}
 
 
 @dataclass(frozen=True)

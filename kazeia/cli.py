@@ -24,7 +24,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16"],
+        choices=["float32", "bfloat16", "float16", "int8"],
         help="talker and code-predictor weight precision (default: float32)",
     )
     p.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")

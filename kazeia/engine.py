@@ -23,7 +23,7 @@ import torch
 from .audio import SAMPLE_RATE
 from .checkpoint import DTYPES, resolve
 from .config import GenerationDefaults, ModelConfig
-from .generate import frames
+from .generate import FrameStats, frames
 from .model import TTSModel
 from .prompt import Conditioning, build_prompt
 from .sampling import SamplingOptions
@@ -81,7 +81,8 @@ class Engine:
     ) -> Engine:
         """Load a local checkpoint directory or a hub id (downloaded once into the hub cache).
 
-        dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16".
+        dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16" | "int8" (CPU:
+            per-channel int8 weights quantized at load, dynamic int8 activations; see kazeia/quant.py).
         vocoder_dtype: the speech-tokenizer decoder; float32 by default (CPU convolution kernels in
             half precision are far slower, see docs/design.md).
         tokenizer_regex: "qwen2" (standard) or "reference-local" (the split regex the reference
@@ -89,6 +90,8 @@ class Engine:
         """
         torch_device = _device(device)
         weights, vocoder_weights = _dtype("dtype", dtype), _dtype("vocoder_dtype", vocoder_dtype)
+        if vocoder_weights == "int8":
+            raise ValueError("vocoder_dtype 'int8' is not supported; choose float32, bfloat16 or float16")
         files = resolve(path_or_id, offline=offline)
         cfg = ModelConfig.from_file(files["config.json"])
         gen = GenerationDefaults.from_file(files["generation_config.json"])
@@ -195,13 +198,13 @@ class Engine:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
         return Request(self.tokenizer.assistant_ids(text), cond, options, non_streaming_mode, seed)
 
-    def frames(self, request: Request, should_stop=None) -> Iterator[torch.Tensor]:
+    def frames(self, request: Request, should_stop=None, stats: FrameStats | None = None) -> Iterator[torch.Tensor]:
         """The frame generator for a validated request: yields (16,) int64 code frames."""
         m = self.model
         prompt = build_prompt(m.talker, self.cfg, request.text_ids, request.cond, request.non_streaming_mode)
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
         eos = self.cfg.talker.codec_eos_id
-        return frames(m.talker, m.code_predictor, prompt, request.options, eos, generator, should_stop)
+        return frames(m.talker, m.code_predictor, prompt, request.options, eos, generator, should_stop, stats)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
@@ -270,7 +273,7 @@ def _device(device: str) -> torch.device:
     return d
 
 
-def _dtype(name: str, value: str) -> torch.dtype:
+def _dtype(name: str, value: str) -> torch.dtype | str:
     if value not in DTYPES:
         raise ValueError(f"unknown {name} {value!r}; choose one of: {', '.join(DTYPES)}")
     return DTYPES[value]

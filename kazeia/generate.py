@@ -9,7 +9,9 @@ the talker's next input. Generation ends when the talker samples EOS or has samp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,21 @@ from .sampling import SamplingOptions, choose, talker_scores
 from .talker import Talker
 
 CACHE_BLOCK = 256  # talker KV positions allocated at a time (grown by whole blocks)
+
+
+@dataclass
+class FrameStats:
+    """Where generation time goes (filled in when passed to `frames`; for benchmarks)."""
+
+    prefill_s: float = 0.0  # talker over the prompt, first token included
+    talker_s: float = 0.0  # talker steps: next input, decoder step, head, sampling
+    predictor_s: float = 0.0  # code predictor: 15 steps with sampling
+    frames: int = 0
+
+    def clock(self, device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
 
 class TalkerCache:
@@ -87,31 +104,45 @@ def frames(
     eos_id: int,
     generator: torch.Generator | None,
     should_stop: Callable[[], bool] | None = None,
+    stats: FrameStats | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield one (16,) int64 code frame at a time until EOS, `max_new_tokens` or `should_stop()`."""
+    device = prompt.embeds.device
+    clock = (lambda: stats.clock(device)) if stats is not None else (lambda: 0.0)
+    started = clock()
     length = prompt.embeds.shape[1]
     cache = TalkerCache(talker, length + min(opts.max_new_tokens, CACHE_BLOCK))
     cp_cache = predictor.new_cache()
+    history = torch.empty(1, opts.max_new_tokens, dtype=torch.long, device=device)  # codebook-0 tokens
+
+    def next_token(h: torch.Tensor, n: int) -> torch.Tensor:
+        scores = talker_scores(talker.codec_head(h[:, -1]), history[:, :n], opts, eos_id)
+        token = choose(scores, opts.do_sample, opts.temperature, opts.top_k, opts.top_p, generator)
+        history[:, n] = token
+        return token
+
     hidden = talker(prompt.embeds, cache.layers, 0)[:, -1:]  # (1, 1, H)
-    generated = torch.empty(1, 0, dtype=torch.long, device=hidden.device)
-
-    def next_token(h: torch.Tensor) -> torch.Tensor:
-        scores = talker_scores(talker.codec_head(h[:, -1]), generated, opts, eos_id)
-        return choose(scores, opts.do_sample, opts.temperature, opts.top_k, opts.top_p, generator)
-
-    token = next_token(hidden)  # (1,)
+    token = next_token(hidden, 0)  # (1,)
     step = 0
+    if stats is not None:
+        stats.prefill_s += clock() - started
     while True:
-        generated = torch.cat((generated, token[:, None]), dim=1)
-        if int(token) == eos_id or generated.shape[1] >= opts.max_new_tokens:
+        if int(token) == eos_id or step + 1 >= opts.max_new_tokens:
             return
         if should_stop is not None and should_stop():
             return
+        mark = clock()
         codes = _predict_codes(predictor, talker, cp_cache, hidden, token, opts, generator)
+        if stats is not None:
+            stats.predictor_s += clock() - mark
+            stats.frames += 1
         yield codes[0]
+        mark = clock()
         text = prompt.trailing[:, step : step + 1] if step < prompt.trailing.shape[1] else prompt.pad
         x = _frame_embedding(talker, predictor, codes) + text
         cache.reserve(length + step + 1)
         hidden = talker(x, cache.layers, length + step)
         step += 1
-        token = next_token(hidden)
+        token = next_token(hidden, step)
+        if stats is not None:
+            stats.talker_s += clock() - mark

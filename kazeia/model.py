@@ -16,6 +16,8 @@ from torch import nn
 from .checkpoint import assign, load_tensors
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
+from .layers import fuse_projections
+from .quant import QuantEmbedding, quantize_linears
 from .talker import Talker
 
 # Released prefix -> module prefix, first match wins.
@@ -40,11 +42,22 @@ class TTSModel(nn.Module):
         )
 
     @classmethod
-    def load(cls, cfg: ModelConfig, path: Path, device: torch.device | str, dtype: torch.dtype) -> TTSModel:
+    def load(cls, cfg: ModelConfig, path: Path, device: torch.device | str, dtype: torch.dtype | str) -> TTSModel:
+        """Load `model.safetensors`; dtype is a float dtype or "int8" (see kazeia/quant.py)."""
+        int8 = dtype == "int8"
+        if int8 and torch.device(device).type != "cpu":
+            raise ValueError("dtype 'int8' runs on the CPU only; use bfloat16 or float16 on a GPU")
         with torch.device("meta"):
             model = cls(cfg)
         tensors = rename(load_tensors(path), str(path))
-        assign(model, tensors, str(path), device=device, dtype=dtype, released_name=released_name)
+        # int8: keep the file's dtype (memory-mapped, no copy) until each weight is quantized.
+        assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
+        del tensors
+        fuse_projections(model)
+        if int8:
+            quantize_linears(model)
+            model.talker.text_embedding = QuantEmbedding.from_float_chunked(model.talker.text_embedding.weight)
+            model.float()
         return model.eval()
 
 

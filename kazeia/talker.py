@@ -50,7 +50,7 @@ class Talker(nn.Module):
 
     def new_cache(self, capacity: int, batch: int = 1) -> list[KVCache]:
         s = self.cfg.stack
-        w = self.codec_head.weight
+        w = self.norm.weight  # activation dtype and device (linears may be quantized)
         return [KVCache(batch, s.num_kv_heads, capacity, s.head_dim, w.device, w.dtype) for _ in self.layers]
 
     def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:

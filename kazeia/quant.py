@@ -1,0 +1,84 @@
+"""int8 weights for the talker and code predictor.
+
+Linear layers: weights quantized per output channel (symmetric, one float scale per row) at load
+time and run with the CPU's dynamic-activation int8 GEMM (`torch.ops.quantized.linear_dynamic`,
+fbgemm/oneDNN): the activation vector is quantized on the fly, products accumulate in int32 and are
+rescaled to float32. Embedding tables: int8 rows with one scale per row, dequantized on lookup
+(only the looked-up rows are ever read). Everything else (norms, activations, KV caches) stays
+float32. Non-goal: int8 for the vocoder, which is compute-bound and stays float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT8_MAX = 127.0
+
+
+def _row_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-row scales: max |w| of each row / 127 (float32, (rows,))."""
+    return weight.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T + b with W stored int8 per output channel; x and y are float32."""
+
+    def __init__(self, packed, in_features: int, out_features: int):
+        super().__init__()
+        self.packed = packed  # prepacked int8 weight + float bias for the int8 GEMM (opaque)
+        self.in_features, self.out_features = in_features, out_features
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
+        w = weight.detach().float()
+        scales = _row_scales(w)
+        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        q = torch.quantize_per_channel(w, scales.double(), zero, 0, torch.qint8)
+        packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
+        return cls(packed, w.shape[1], w.shape[0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        # reduce_range=True keeps activations to 7 bits so that AVX2's 16-bit intermediate sums of
+        # int8 x uint8 products cannot saturate (fbgemm's documented requirement on such CPUs).
+        y = torch.ops.quantized.linear_dynamic(x.reshape(-1, shape[-1]), self.packed, True)
+        return y.view(*shape[:-1], self.out_features)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored as int8 rows with a float32 scale per row."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        w = weight.detach().float()
+        scales = _row_scales(w)
+        self.register_buffer("qweight", torch.round(w / scales[:, None]).to(torch.int8))
+        self.register_buffer("scales", scales)
+
+    @classmethod
+    def from_float_chunked(cls, weight: torch.Tensor, rows: int = 16384) -> QuantEmbedding:
+        """Quantize a large table in row blocks, so no float32 copy of the whole table exists."""
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        qweight = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(weight.shape[0], dtype=torch.float32)
+        for start in range(0, weight.shape[0], rows):
+            block = weight[start : start + rows].float()
+            s = _row_scales(block)
+            qweight[start : start + rows] = torch.round(block / s[:, None]).to(torch.int8)
+            scales[start : start + rows] = s
+        out.register_buffer("qweight", qweight)
+        out.register_buffer("scales", scales)
+        return out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].float() * self.scales[ids, None]
+
+
+def quantize_linears(module: nn.Module) -> None:
+    """Replace every nn.Linear inside `module` by a QuantLinear, in place."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, QuantLinear.from_float(child.weight, child.bias))
