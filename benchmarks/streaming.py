@@ -41,8 +41,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     engine, load_s = timed(lambda: Engine.load(real_checkpoint(args.size)))
-    options = dict(voice="serena", language="english", do_sample=False, subtalker_dosample=False,
-                   ignore_eos=True, max_new_tokens=args.frames + 1)
+    options = dict(
+        voice="serena",
+        language="english",
+        do_sample=False,
+        subtalker_dosample=False,
+        ignore_eos=True,
+        max_new_tokens=args.frames + 1,
+    )
     engine.synthesize(TEXT, **{**options, "max_new_tokens": 3})  # warm-up
 
     offline = engine.synthesize(TEXT, **options)
@@ -55,7 +61,9 @@ def main() -> None:
     with torch.inference_mode():
         _, vocoder_s = timed(lambda: engine.vocoder(codes))
         state = engine.vocoder.new_state()
-        _, vocoder_1_s = timed(lambda: [engine.vocoder.decode_chunk(codes[i : i + 1], state) for i in range(len(codes))])
+        _, vocoder_1_s = timed(
+            lambda: [engine.vocoder.decode_chunk(codes[i : i + 1], state) for i in range(len(codes))]
+        )
 
     n, s = args.frames, stream.metrics
     figures = {
@@ -78,7 +86,9 @@ def main() -> None:
     figures["ttfb_over_budget"] = figures["ttfb_s"] / figures["ttfb_budget_s"]
     width = max(map(len, figures))
     for key, value in figures.items():
-        shown = json.dumps(value) if isinstance(value, dict) else (f"{value:.3f}" if isinstance(value, float) else value)
+        shown = (
+            json.dumps(value) if isinstance(value, dict) else (f"{value:.3f}" if isinstance(value, float) else value)
+        )
         print(f"{key:<{width}}  {shown}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))

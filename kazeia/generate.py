@@ -88,7 +88,7 @@ def _predict_codes(
     return torch.stack(codes, dim=1)
 
 
-def _frame_embedding(talker: Talker, predictor: CodePredictor, codes: torch.Tensor) -> torch.Tensor:
+def frame_embedding(talker: Talker, predictor: CodePredictor, codes: torch.Tensor) -> torch.Tensor:
     """codes (1, 16) -> (1, 1, H): sum of the codebook-0 row and the 15 predictor rows."""
     rows = [talker.codec_embedding(codes[:, :1])]
     rows += [emb(codes[:, g + 1 : g + 2]) for g, emb in enumerate(predictor.codec_embedding)]
@@ -139,7 +139,7 @@ def frames(
         yield codes[0]
         mark = clock()
         text = prompt.trailing[:, step : step + 1] if step < prompt.trailing.shape[1] else prompt.pad
-        x = _frame_embedding(talker, predictor, codes) + text
+        x = frame_embedding(talker, predictor, codes) + text
         cache.reserve(length + step + 1)
         hidden = talker(x, cache.layers, length + step)
         step += 1

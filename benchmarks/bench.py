@@ -1,0 +1,296 @@
+"""Kazeia vs the reference (qwen-tts 0.1.1) on real-size random checkpoints, side by side.
+
+    python benchmarks/bench.py [--size 0.6B] [--dtypes float32,bfloat16,int8] [--frames 50]
+                               [--threads N] [--reference] [--json out.json]
+
+Each configuration runs in its own process (clean peak RSS) on the same cached checkpoint, text,
+frame count and thread count: greedy decoding with EOS suppressed, so every run generates exactly
+`--frames` frames. The same run probes batch-1 GEMV bandwidth per weight format with the model's own
+weight shapes and prints each generation figure as a multiple of its floor:
+`bytes per weight x weight reads per frame / GEMV bandwidth`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, real_checkpoint  # noqa: E402
+
+TEXT = "Kazeia reads every weight once per frame, so its speed is set by memory bandwidth."
+VOICE, LANGUAGE = "serena", "english"
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+# Figures of a GGML-based C++ engine on a 2-core x86 machine of the CI kind, same random weights,
+# 50 frames, 2 threads, as reported in the project's issue tracker (another run, another day).
+CPP_ENGINE = {
+    "F32": {"generate_ms": 223, "rtf": 4.67},
+    "BF16": {"generate_ms": 153, "rtf": 4.10},
+    "Q8_0": {"generate_ms": 118, "rtf": 3.52, "ttfb_s": 0.704},
+    "Q4_K_M": {"generate_ms": 76, "rtf": 2.80},
+}
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # ru_maxrss is in KiB on Linux
+
+
+# -- workers (run in a subprocess each) ----------------------------------------------------------
+def run_kazeia(path: Path, dtype: str, frames: int) -> dict:
+    from kazeia import Engine
+    from kazeia.generate import FrameStats
+
+    start = time.perf_counter()
+    engine = Engine.load(path, dtype=dtype)
+    load_s = time.perf_counter() - start
+    options = dict(voice=VOICE, language=LANGUAGE, do_sample=False, subtalker_dosample=False, ignore_eos=True)
+    engine.synthesize(TEXT, max_new_tokens=3, **options)  # warm-up
+    stats = FrameStats()
+    request = engine.request(TEXT, max_new_tokens=frames + 1, **options)
+    start = time.perf_counter()
+    codes = torch.stack(list(engine.frames(request, stats=stats)))
+    generate_s = time.perf_counter() - start
+    with torch.inference_mode():
+        start = time.perf_counter()
+        engine.vocoder(codes)
+        vocoder_s = time.perf_counter() - start
+    offline = engine.synthesize(TEXT, max_new_tokens=frames + 1, **options)
+    stream = engine.stream(TEXT, max_new_tokens=frames + 1, **options)
+    for _ in stream:
+        pass
+    assert offline.metrics.frames == stream.metrics.frames == frames
+    return {
+        "load_s": load_s,
+        "prefill_s": stats.prefill_s,
+        "talker_ms": 1000 * stats.talker_s / frames,
+        "predictor_ms": 1000 * stats.predictor_s / frames,
+        "generate_ms": 1000 * (generate_s - stats.prefill_s) / frames,
+        "vocoder_ms": 1000 * vocoder_s / frames,
+        "wall_s": offline.metrics.wall_s,
+        "rtf": offline.metrics.rtf,
+        "ttfb_s": stream.metrics.ttfb_s,
+        "stream_wall_s": stream.metrics.wall_s,
+        "peak_rss_gb": peak_rss_gb(),
+    }
+
+
+def run_reference(path: Path, dtype: str, frames: int) -> dict:
+    """qwen-tts 0.1.1 on the same checkpoint; EOS is moved to a suppressed id so it never stops early."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from reference import load_reference
+
+    qwen_tts = load_reference()
+    start = time.perf_counter()
+    ref = qwen_tts.Qwen3TTSModel.from_pretrained(str(path), dtype=getattr(torch, dtype))
+    load_s = time.perf_counter() - start
+    timers = {"predictor": 0.0, "vocoder": 0.0, "generate": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers[name] += time.perf_counter() - t
+
+        return wrapper
+
+    ref.model.talker.code_predictor.generate = timed("predictor", ref.model.talker.code_predictor.generate)
+    ref.model.speech_tokenizer.decode = timed("vocoder", ref.model.speech_tokenizer.decode)
+    ref.model.generate = timed("generate", ref.model.generate)
+    kwargs = dict(speaker=VOICE, language=LANGUAGE, do_sample=False, subtalker_dosample=False, eos_token_id=2151)
+    ref.generate_custom_voice(text=TEXT, max_new_tokens=3, **kwargs)  # warm-up
+    timers.update(predictor=0.0, vocoder=0.0, generate=0.0)
+    start = time.perf_counter()
+    wavs, _ = ref.generate_custom_voice(text=TEXT, max_new_tokens=frames + 1, **kwargs)
+    wall = time.perf_counter() - start
+    audio_s = len(wavs[0]) / 24000
+    assert len(wavs[0]) == frames * 1920, "the reference stopped early"
+    return {
+        "load_s": load_s,
+        "predictor_ms": 1000 * timers["predictor"] / frames,
+        "talker_ms": 1000 * (timers["generate"] - timers["predictor"]) / frames,
+        "generate_ms": 1000 * timers["generate"] / frames,
+        "vocoder_ms": 1000 * timers["vocoder"] / frames,
+        "wall_s": wall,
+        "rtf": wall / audio_s,
+        "peak_rss_gb": peak_rss_gb(),
+    }
+
+
+# -- orchestration -------------------------------------------------------------------------------
+def weight_reads(path: Path) -> dict:
+    """Per-frame weight reads (parameters) and the linear shapes read, from the checkpoint config."""
+    cfg = json.loads((path / "config.json").read_text())
+    t, cp = cfg["talker_config"], cfg["talker_config"]["code_predictor_config"]
+
+    def layer_shapes(c):
+        hd, h = c["head_dim"], c["hidden_size"]
+        q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+        return [(q + 2 * kv, h), (h, q), (2 * c["intermediate_size"], h), (h, c["intermediate_size"])]
+
+    talker = layer_shapes(t) * t["num_hidden_layers"] + [(t["vocab_size"], t["hidden_size"])]
+    predictor = layer_shapes(cp) * cp["num_hidden_layers"] + [(cp["vocab_size"], cp["hidden_size"])]
+    if t["hidden_size"] != cp["hidden_size"]:
+        predictor.append((cp["hidden_size"], t["hidden_size"]))
+    groups = t["num_code_groups"] - 1
+    reads = sum(o * i for o, i in talker) + groups * sum(o * i for o, i in predictor)
+    return {"reads": reads, "shapes": sorted(set(talker + predictor))}
+
+
+def probe_bandwidth(shapes: list[tuple[int, int]], dtypes: list[str], budget_bytes: float = 4e8) -> dict:
+    """GB/s of weight bytes for batch-1 products over the model's own shapes, per format."""
+    from kazeia.quant import QuantLinear
+
+    out = {}
+    per_shape = max(1, int(budget_bytes / 4 / sum(o * i for o, i in shapes)))
+    base = [torch.randn(o, i) * i**-0.5 for o, i in shapes for _ in range(per_shape)]
+    for dtype in dtypes:
+        if dtype == "int8":
+            layers = [QuantLinear.from_float(w, None) for w in base]
+            x = {i: torch.randn(1, i) for _, i in shapes}
+            calls = [(lambda q=q: q(x[q.in_features])) for q in layers]
+        else:
+            weights = [w.to(getattr(torch, dtype)) for w in base]
+            x = {i: torch.randn(1, i).to(getattr(torch, dtype)) for _, i in shapes}
+            calls = [(lambda w=w: torch.nn.functional.linear(x[w.shape[1]], w)) for w in weights]
+        best = float("inf")
+        for _ in range(4):
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            best = min(best, time.perf_counter() - start)
+        out[dtype] = sum(w.numel() for w in base) * BYTES[dtype] / best / 1e9
+    return out
+
+
+def spawn(kind: str, path: Path, dtype: str, frames: int, threads: int | None) -> dict:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        kind,
+        "--checkpoint",
+        str(path),
+        "--dtype",
+        dtype,
+        "--frames",
+        str(frames),
+    ]
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    print(f"  running {kind} {dtype} ...", flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(results: dict, floors: dict, bandwidth: dict, args) -> None:
+    cols = [
+        ("talker_ms", "talker ms/f"),
+        ("predictor_ms", "predictor ms/f"),
+        ("generate_ms", "generate ms/f"),
+        ("floor_ms", "floor ms/f"),
+        ("x_floor", "x floor"),
+        ("vocoder_ms", "vocoder ms/f"),
+        ("prefill_s", "prefill s"),
+        ("ttfb_s", "TTFB s"),
+        ("wall_s", "wall s"),
+        ("rtf", "RTF"),
+        ("peak_rss_gb", "peak RSS GB"),
+        ("load_s", "load s"),
+    ]
+    print(
+        f"\n{args.size} CustomVoice (real dimensions, random weights), {args.frames} frames, greedy, "
+        f"{torch.get_num_threads()} threads; machine: {json.dumps(machine())}"
+    )
+    print(
+        "GEMV bandwidth (GB/s of weight bytes, model shapes): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in bandwidth.items())
+    )
+    print(f"{'configuration':<22}" + "".join(f"{label:>15}" for _, label in cols))
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<22}  failed: {r['error']}")
+            continue
+        row = f"{name:<22}"
+        for key, _ in cols:
+            value = r.get(key)
+            row += f"{value:>15.2f}" if isinstance(value, float) else f"{'-':>15}"
+        print(row)
+    ref = results.get("reference float32")
+    if ref and "error" not in ref:
+        print("\nratios against the reference in float32 (higher is better):")
+        for name, r in results.items():
+            if name.startswith("kazeia") and "error" not in r:
+                print(
+                    f"  {name:<20} generation x{ref['generate_ms'] / r['generate_ms']:.2f}  "
+                    f"vocoder x{ref['vocoder_ms'] / r['vocoder_ms']:.2f}  whole synthesis (RTF) x{ref['rtf'] / r['rtf']:.2f}"
+                )
+    print(
+        "\nfor comparison, a GGML-based C++ engine (figures from another run, same machine class, 50 frames, "
+        "2 threads): "
+        + "; ".join(f"{k}: generate {v['generate_ms']} ms/frame, RTF {v['rtf']}" for k, v in CPP_ENGINE.items())
+        + "; TTFB 0.704 s (Q8_0)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    parser.add_argument("--dtypes", default="float32,bfloat16,int8")
+    parser.add_argument("--frames", type=int, default=50)
+    parser.add_argument("--threads", type=int, help="torch threads in every process (default: torch's choice)")
+    parser.add_argument("--reference", action="store_true", help="also run qwen-tts 0.1.1 (float32)")
+    parser.add_argument("--json", help="write all figures to this file")
+    parser.add_argument("--worker", choices=["kazeia", "reference"], help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.worker:
+        run = run_kazeia if args.worker == "kazeia" else run_reference
+        print(json.dumps(run(Path(args.checkpoint), args.dtype, args.frames)))
+        return
+
+    path = real_checkpoint(args.size)
+    dtypes = args.dtypes.split(",")
+    reads = weight_reads(path)
+    print("probing GEMV bandwidth ...", flush=True)
+    bandwidth = probe_bandwidth(reads["shapes"], dtypes)
+    results = {}
+    for dtype in dtypes:
+        r = spawn("kazeia", path, dtype, args.frames, args.threads)
+        if "error" not in r:
+            r["floor_ms"] = 1000 * reads["reads"] * BYTES[dtype] / (bandwidth[dtype] * 1e9)
+            r["x_floor"] = r["generate_ms"] / r["floor_ms"]
+        results[f"kazeia {dtype}"] = r
+    if args.reference:
+        results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads)
+    report(results, {}, bandwidth, args)
+    if args.json:
+        payload = {
+            "machine": machine(),
+            "size": args.size,
+            "frames": args.frames,
+            "bandwidth_gbps": bandwidth,
+            "weight_reads_per_frame": reads["reads"],
+            "results": results,
+            "cpp_engine_other_run": CPP_ENGINE,
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()

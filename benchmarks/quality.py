@@ -1,0 +1,55 @@
+"""Quality guard on a real-size random checkpoint: each reduced precision against float32.
+
+    python benchmarks/quality.py [--size 0.6B] [--dtypes bfloat16,float16,int8] [--frames 50]
+
+Teacher-forced talker and code-predictor logits (relative error, top-1 agreement), free-running
+greedy code agreement, and vocoder SNR; then int8's errors as a multiple of bfloat16's (the yardstick:
+bfloat16 is the precision the model's authors run it in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, real_checkpoint  # noqa: E402
+
+from kazeia import Engine  # noqa: E402
+from kazeia.testing.quality import compare  # noqa: E402
+
+TEXT = "The quality guard compares every precision with float32 on the same codes."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    parser.add_argument("--dtypes", default="bfloat16,float16,int8")
+    parser.add_argument("--frames", type=int, default=50)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    path = real_checkpoint(args.size)
+    baseline = Engine.load(path)
+    results = {}
+    for dtype in args.dtypes.split(","):
+        results[dtype] = asdict(compare(Engine.load(path, dtype=dtype), baseline, TEXT, args.frames, voice="serena"))
+    print(f"{args.size} CustomVoice, real dimensions, random weights, {args.frames} frames; {json.dumps(machine())}")
+    keys = list(next(iter(results.values())))
+    print(f"{'dtype':<10}" + "".join(f"{k:>22}" for k in keys))
+    for dtype, q in results.items():
+        print(f"{dtype:<10}" + "".join(f"{q[k]:>22.4f}" for k in keys))
+    if "int8" in results and "bfloat16" in results:
+        b, i = results["bfloat16"], results["int8"]
+        print(
+            f"int8 / bfloat16 relative error: talker x{i['talker_rel_error'] / b['talker_rel_error']:.2f}, "
+            f"code predictor x{i['predictor_rel_error'] / b['predictor_rel_error']:.2f} (target <= 2)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
