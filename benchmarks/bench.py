@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, real_checkpoint  # noqa: E402
+from common import machine, real_checkpoint
 
 TEXT = "Kazeia reads every weight once per frame, so its speed is set by memory bandwidth."
 VOICE, LANGUAGE = "serena", "english"
@@ -157,11 +157,11 @@ def probe_bandwidth(shapes: list[tuple[int, int]], dtypes: list[str], budget_byt
         if dtype == "int8":
             layers = [QuantLinear.from_float(w, None) for w in base]
             x = {i: torch.randn(1, i) for _, i in shapes}
-            calls = [(lambda q=q: q(x[q.in_features])) for q in layers]
+            calls = [(lambda q=q, x=x: q(x[q.in_features])) for q in layers]
         else:
             weights = [w.to(getattr(torch, dtype)) for w in base]
             x = {i: torch.randn(1, i).to(getattr(torch, dtype)) for _, i in shapes}
-            calls = [(lambda w=w: torch.nn.functional.linear(x[w.shape[1]], w)) for w in weights]
+            calls = [(lambda w=w, x=x: torch.nn.functional.linear(x[w.shape[1]], w)) for w in weights]
         best = float("inf")
         for _ in range(4):
             start = time.perf_counter()
@@ -235,7 +235,8 @@ def report(results: dict, floors: dict, bandwidth: dict, args) -> None:
             if name.startswith("kazeia") and "error" not in r:
                 print(
                     f"  {name:<20} generation x{ref['generate_ms'] / r['generate_ms']:.2f}  "
-                    f"vocoder x{ref['vocoder_ms'] / r['vocoder_ms']:.2f}  whole synthesis (RTF) x{ref['rtf'] / r['rtf']:.2f}"
+                    f"vocoder x{ref['vocoder_ms'] / r['vocoder_ms']:.2f}  "
+                    f"whole synthesis (RTF) x{ref['rtf'] / r['rtf']:.2f}"
                 )
     print(
         "\nfor comparison, a GGML-based C++ engine (figures from another run, same machine class, 50 frames, "

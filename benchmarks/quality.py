@@ -16,10 +16,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, real_checkpoint  # noqa: E402
+from common import machine, real_checkpoint
 
-from kazeia import Engine  # noqa: E402
-from kazeia.testing.quality import compare  # noqa: E402
+from kazeia import Engine
+from kazeia.testing.quality import compare
 
 TEXT = "The quality guard compares every precision with float32 on the same codes."
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, real_checkpoint  # noqa: E402
+from common import machine, real_checkpoint
 
-from kazeia import Engine  # noqa: E402
+from kazeia import Engine
 
 TEXT = "Kazeia streams speech while it is still being generated, one frame after another."
 
