@@ -1,4 +1,4 @@
-"""The `kazeia` command: say, voices, random-checkpoint.
+"""The `kazeia` command: say, voices, serve, random-checkpoint.
 
 Thin: parse arguments, call the engine, write files, print figures. Bad input exits with status 2
 and one line on stderr.
@@ -107,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     voices = sub.add_parser("voices", help="list the voices and languages of a checkpoint")
     _model_args(voices)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP/WebSocket API and the demo page")
+    _model_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    srv.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
+    srv.add_argument("--queue-size", type=int, default=16, help="utterances waiting before 503 (default: %(default)s)")
+    srv.add_argument("--max-input-chars", type=int, default=4096, help="longest input text (default: %(default)s)")
+    srv.add_argument(
+        "--max-new-tokens", type=int, default=4096, help="talker tokens per utterance at most (default: %(default)s)"
+    )
+    srv.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first streamed chunk")
+    srv.add_argument("--chunk-frames", type=int, default=4, help="frames in each later streamed chunk")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
     rnd = sub.add_parser("random-checkpoint", help="write a random-weight checkpoint (tests, demos, benchmarks)")
     rnd.add_argument("directory")
     rnd.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
@@ -195,6 +209,22 @@ def _voices(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        from .server import Limits, ServerConfig, serve
+    except ImportError as e:
+        missing = f"{e.name} is missing"
+        print(f"kazeia: error: serve needs the server extra ({missing}): pip install 'kazeia[server]'", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (
+        os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
+    )
+    limits = Limits(max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens)
+    config = ServerConfig(name, args.queue_size, args.first_chunk_frames, args.chunk_frames, limits)
+    serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _random_checkpoint(args) -> int:
     from .testing import write_checkpoint
 
@@ -205,7 +235,7 @@ def _random_checkpoint(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"say": _say, "voices": _voices, "random-checkpoint": _random_checkpoint}[args.command]
+    run = {"say": _say, "voices": _voices, "serve": _serve, "random-checkpoint": _random_checkpoint}[args.command]
     try:
         return run(args)
     except BrokenPipeError:  # the reader of `-o -` went away: stop quietly

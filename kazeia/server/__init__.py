@@ -1,0 +1,31 @@
+"""Kazeia's HTTP and WebSocket server (the `server` extra: FastAPI + uvicorn).
+
+Endpoints: `POST /v1/audio/speech` (OpenAI-compatible), `WS /v1/audio/speech/stream`,
+`GET /v1/audio/voices`, `GET /v1/models`, `GET /health`, `GET /metrics` and the demo page at `/`.
+See docs/server.md. One worker thread owns the engine; the event loop only parses and relays.
+"""
+
+from __future__ import annotations
+
+from .app import create_app
+from .config import Limits, ServerConfig
+
+__all__ = ["create_app", "serve", "Limits", "ServerConfig"]
+
+
+def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `engine` until interrupted (the `kazeia serve` command); logs one line per utterance."""
+    import logging
+
+    import uvicorn
+
+    app = create_app(engine, config)
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=log_level.upper())
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        ws_max_size=config.limits.max_body_bytes,
+        timeout_graceful_shutdown=5,  # streams still open after 5 s are cut; their jobs are cancelled
+    )

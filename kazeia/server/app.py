@@ -1,0 +1,71 @@
+"""The FastAPI application: `create_app(engine, config)` wires one loaded `Engine` to one `Worker`.
+
+Handlers only parse, submit and relay (speech.py, websocket.py, info.py): validation happens
+before anything is queued, so a bad request is a 4xx with an OpenAI-style body and costs no
+generation. Every error, including unknown routes and methods, has that body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..engine import Engine
+from ..streaming import ChunkSchedule
+from .config import ServerConfig
+from .errors import ApiError
+from .formats import available_formats
+from .info import router as info_router
+from .metrics import ServerMetrics
+from .speech import router as speech_router
+from .state import ServerState, server_state
+from .websocket import router as websocket_router
+from .worker import Worker
+
+
+def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    """The application for one loaded engine; its worker thread runs while the app is served."""
+    if engine.model_type == "base":
+        raise ValueError(
+            "serving a Base (voice-clone) checkpoint needs saved voices on the server, which it does not "
+            "offer yet; serve a CustomVoice or VoiceDesign checkpoint"
+        )
+    metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
+    worker = Worker(engine, config.queue_size, ChunkSchedule(config.first_chunk_frames, config.chunk_frames), metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="Kazeia", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kazeia = ServerState(engine, config, worker, metrics, available_formats())
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    for router in (info_router, speech_router, websocket_router):
+        app.include_router(router)
+    return app
+
+
+async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    route = getattr(request.scope.get("route"), "path", "unmatched")
+    server_state(request).metrics.errors.inc(route=route, status=str(error.status))
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return await _api_error(request, ApiError(error.status_code, message, code=code))
+
+
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    return await _api_error(request, ApiError(500, f"internal error: {type(error).__name__}", code="internal_error"))

@@ -1,0 +1,70 @@
+"""What the server offers: the demo page, voices, models, health and Prometheus metrics."""
+
+from __future__ import annotations
+
+import functools
+import time
+from importlib import resources
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, Response
+
+from ..audio import SAMPLE_RATE
+from .metrics import CONTENT_TYPE
+from .state import server_state
+
+router = APIRouter()
+STARTED = int(time.time())  # `created` of the model entry: when this server process started
+
+
+@functools.cache
+def _demo_page() -> str:
+    return resources.files(__package__).joinpath("demo.html").read_text(encoding="utf-8")
+
+
+@router.get("/")
+async def demo() -> HTMLResponse:
+    """A page that speaks typed text over the WebSocket and shows TTFB and RTF (no build step)."""
+    return HTMLResponse(_demo_page())
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    s = server_state(request)
+    worker = s.worker
+    return {"status": "ok", "model": s.config.model_name, "active": worker.active, "queue_depth": worker.queue_depth}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    s = server_state(request)
+    model = {
+        "id": s.config.model_name,
+        "object": "model",
+        "created": STARTED,
+        "owned_by": "kazeia",
+        "model_type": s.engine.model_type,
+        "sample_rate": SAMPLE_RATE,
+    }
+    return {"object": "list", "data": [model]}
+
+
+@router.get("/v1/audio/voices")
+async def voices(request: Request) -> dict:
+    """The checkpoint's preset speakers, plus what a client needs to build a request."""
+    s = server_state(request)
+    engine = s.engine
+    instructions = engine.model_type == "voice_design" or engine.cfg.tts_model_size != "0b6"
+    return {
+        "object": "list",
+        "data": [{"id": v, "name": v, "object": "voice", "kind": "preset"} for v in engine.voices],
+        "model_type": engine.model_type,
+        "languages": engine.languages,
+        "formats": list(s.formats),
+        "supports_instructions": instructions,
+    }

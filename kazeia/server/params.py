@@ -1,0 +1,184 @@
+"""Request bodies -> validated engine requests, or an `ApiError` naming the field at fault.
+
+The speech body takes OpenAI's fields (`model`, `input`, `voice`, `instructions`, `response_format`,
+`speed`, `stream_format`) and Kazeia's extensions (`language`, `seed`, `non_streaming_mode` and every
+`SamplingOptions` field under its own name). A WebSocket session takes the same voice and
+extension fields. Unknown fields are refused, never ignored. The engine does the model-specific
+validation (voices, languages, option types); this module adds the server's `Limits`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..engine import Engine, Request
+from ..sampling import SamplingOptions
+from .config import Limits, ServerConfig
+from .errors import ApiError, from_engine
+from .formats import UNSUPPORTED, AudioFormat
+
+ENGINE_FIELDS = ("language", "seed", "non_streaming_mode", *SamplingOptions.names())
+SESSION_FIELDS = ("voice", "instructions", *ENGINE_FIELDS)
+SPEECH_FIELDS = ("model", "input", "response_format", "speed", "stream_format", *SESSION_FIELDS)
+STREAM_FORMATS = ("audio", "sse")
+SPEED_RANGE = (0.25, 4.0)  # OpenAI's range for `speed`
+CAPPED = {  # option -> the Limits field bounding it from above
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "max_temperature",
+    "subtalker_temperature": "max_temperature",
+    "repetition_penalty": "max_repetition_penalty",
+}
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """A validated `POST /v1/audio/speech`."""
+
+    request: Request  # what the worker generates
+    audio_format: AudioFormat  # how its audio is encoded
+    stream_format: str  # "audio" (the encoded bytes) or "sse" (base64 events)
+
+
+def json_object(raw: bytes, what: str = "request body") -> dict:
+    """Parse a JSON object; anything else is a 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the {what} must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def speech_request(body: dict, engine: Engine, config: ServerConfig, formats: dict[str, AudioFormat]) -> SpeechRequest:
+    _refuse_unknown(body, SPEECH_FIELDS)
+    model = body.get("model")
+    if model is not None and model != config.model_name:
+        raise ApiError(
+            404,
+            f"unknown model {model!r}; this server serves {config.model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+    text = _string(body, "input", config.limits.max_input_chars, required=True)
+    audio_format = _format(body.get("response_format"), formats)
+    _speed(body.get("speed"))
+    stream_format = body.get("stream_format", "audio")
+    if stream_format not in STREAM_FORMATS:
+        raise ApiError(
+            400,
+            f"unknown stream_format {stream_format!r}; choose one of: {', '.join(STREAM_FORMATS)}",
+            param="stream_format",
+        )
+    options = session_options(body, engine, config.limits, check=False)
+    return SpeechRequest(engine_request(engine, text, options), audio_format, stream_format)
+
+
+def session_options(body: dict, engine: Engine, limits: Limits, check: bool = True) -> dict:
+    """Voice and generation options (the keyword arguments of `Engine.request` but the text).
+
+    `check=True` also has the engine validate them (voice, language, option values) on a
+    placeholder text, so that a WebSocket session is refused when it is set, not at its first text.
+    """
+    if check:
+        _refuse_unknown(body, SESSION_FIELDS)
+    options = {name: body[name] for name in ENGINE_FIELDS if name in body and body[name] is not None}
+    options["voice"] = _voice(body.get("voice"))
+    options["instruct"] = _string(body, "instructions", limits.max_instructions_chars)
+    _apply_limits(options, limits)
+    options.setdefault("max_new_tokens", min(limits.max_new_tokens, engine.defaults.max_new_tokens))
+    if check:
+        engine_request(engine, "Hello.", options)
+    return options
+
+
+def engine_request(engine: Engine, text: str, options: dict) -> Request:
+    try:
+        return engine.request(text, **options)
+    except ValueError as e:
+        raise from_engine(e) from None
+
+
+def _refuse_unknown(body: dict, known: tuple[str, ...]) -> None:
+    for name in body:
+        if name not in known:
+            raise ApiError(
+                400,
+                f"unknown parameter {name!r}; valid parameters: {', '.join(known)}",
+                param=name,
+                code="unknown_parameter",
+            )
+
+
+def _string(body: dict, name: str, max_chars: int, required: bool = False) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"{name} is required", param=name, code="missing_parameter")
+        return None
+    if not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string, got {type(value).__name__}", param=name)
+    if len(value) > max_chars:
+        raise ApiError(
+            400,
+            f"{name} is {len(value)} characters long; this server accepts at most {max_chars}",
+            param=name,
+            code="string_above_max_length",
+        )
+    return value
+
+
+def _voice(value) -> str | None:
+    """A preset name, OpenAI's `{"id": name}` form, or nothing (VoiceDesign: `""` or absent)."""
+    if isinstance(value, dict) and set(value) == {"id"}:
+        value = value["id"]
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ApiError(400, f'voice must be a string or {{"id": name}}, got {json.dumps(value)}', param="voice")
+    return value
+
+
+def _format(value, formats: dict[str, AudioFormat]) -> AudioFormat:
+    if value is None:
+        value = "mp3" if "mp3" in formats else "wav"  # OpenAI's default when this libsndfile has it
+    if isinstance(value, str) and value in formats:
+        return formats[value]
+    why = " (no AAC encoder without ffmpeg)" if value in UNSUPPORTED else ""
+    raise ApiError(
+        400,
+        f"unsupported response_format {value!r}{why}; choose one of: {', '.join(formats)}",
+        param="response_format",
+        code="unsupported_format",
+    )
+
+
+def _speed(value) -> None:
+    if value is None:
+        return
+    low, high = SPEED_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ApiError(400, f"speed must be a number from {low} to {high}, got {value!r}", param="speed")
+    if value != 1.0:
+        raise ApiError(
+            400,
+            f"speed {value} is not supported: this server does not time-stretch speech; send speed 1.0 or leave it out",
+            param="speed",
+            code="unsupported_value",
+        )
+
+
+def _apply_limits(options: dict, limits: Limits) -> None:
+    """Refuse options above the server's limits."""
+    for name, limit_name in CAPPED.items():
+        value, bound = options.get(name), getattr(limits, limit_name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # absent or of the wrong type: the engine says what is wrong
+        if value > bound:
+            raise ApiError(
+                400,
+                f"{name} must be at most {bound} on this server, got {value!r}",
+                param=name,
+                code="above_server_limit",
+            )

@@ -1,0 +1,108 @@
+"""`POST /v1/audio/speech`: OpenAI's speech endpoint, streamed as the audio is generated.
+
+The body is validated before the job is queued (params.py). The response starts at once: the
+encoded audio as it comes (`stream_format: "audio"`), or OpenAI's server-sent events
+`speech.audio.delta` (base64 of the same bytes) and a final `speech.audio.done` with usage
+(`stream_format: "sse"`; each event is one `data:` line holding JSON with its `type`). However the
+response ends, its job is cancelled if it is still running, so a client that leaves frees the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from .errors import ApiError
+from .metrics import ServerMetrics
+from .params import json_object, speech_request
+from .state import server_state
+from .worker import Busy, Job, Outcome
+
+ROUTE = "/v1/audio/speech"
+router = APIRouter()
+
+
+@router.post(ROUTE)
+async def speech(request: Request) -> StreamingResponse:
+    s = server_state(request)
+    s.metrics.requests.inc(route=ROUTE)
+    body = json_object(await _read_body(request, s.config.limits.max_body_bytes))
+    parsed = speech_request(body, s.engine, s.config, s.formats)
+    encoder = parsed.audio_format.make()
+    job = Job(parsed.request, encoder, asyncio.get_running_loop())
+    try:
+        s.worker.submit(job)
+    except Busy as busy:
+        raise ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)}) from None
+    headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.request.seed)}
+    if parsed.stream_format == "sse":
+        events = _sse(job, encoder.header(), len(parsed.request.text_ids), s.metrics)
+        return _JobResponse(job, events, media_type="text/event-stream", headers=headers)
+    audio = _audio(job, encoder.header(), s.metrics)
+    return _JobResponse(job, audio, media_type=parsed.audio_format.media_type, headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class _JobResponse(StreamingResponse):
+    """A streamed body that cancels its job however the response ends (done, error, client gone)."""
+
+    def __init__(self, job: Job, content: AsyncIterator, **kwargs):
+        super().__init__(content, **kwargs)
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()  # a no-op once the job has finished
+
+
+async def _audio(job: Job, header: bytes, metrics: ServerMetrics) -> AsyncIterator[bytes]:
+    if header:
+        yield header
+    async for item in job.outcomes():
+        if isinstance(item, Outcome):
+            if item.status == "failed":  # the status line is out: cutting the body is the only signal left
+                metrics.errors.inc(route=ROUTE, status="500")
+                raise RuntimeError(f"utterance {job.id} failed: {item.error}")
+            return
+        yield item
+
+
+async def _sse(job: Job, header: bytes, input_tokens: int, metrics: ServerMetrics) -> AsyncIterator[str]:
+    pending = header  # a WAV header travels in the first delta
+    async for item in job.outcomes():
+        if not isinstance(item, Outcome):
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(pending + item).decode()})
+            pending = b""
+        elif item.status == "failed":
+            metrics.errors.inc(route=ROUTE, status="500")
+            error = ApiError(500, f"generation failed: {item.error}", code="internal_error")
+            yield _event({"type": "error", **error.body()})
+        else:
+            if pending:
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(pending).decode()})
+            frames = item.metrics.frames if item.metrics else 0
+            usage = {"input_tokens": input_tokens, "output_tokens": frames, "total_tokens": input_tokens + frames}
+            yield _event({"type": "speech.audio.done", "usage": usage})
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"

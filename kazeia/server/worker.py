@@ -1,0 +1,246 @@
+"""The worker: one thread owns the engine and speaks one utterance at a time, FIFO.
+
+Requests become `Job`s on a bounded queue; a full queue is refused at once (`Busy`, a 503 with
+Retry-After) rather than letting waits grow without bound. The worker drives a `SpeechStream` for each
+job, encodes each chunk and hands the bytes to the job's asyncio queue with
+`loop.call_soon_threadsafe`, so the event loop never waits on the engine. A job ends with exactly
+one `Outcome` on that queue.
+
+Cancelling a job (client gone, WebSocket `cancel`, shutdown) sets an event that the frame generator
+checks before each frame (its `should_stop`), so generation stops within one frame, from any thread,
+without blocking the caller; a job cancelled while still queued is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ..audio import SAMPLE_RATE
+from ..engine import Engine, Request
+from ..streaming import ChunkSchedule, Metrics, SpeechStream
+from .formats import Encoder
+from .metrics import ServerMetrics
+
+log = logging.getLogger("kazeia.server")
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The last item of a job's queue."""
+
+    status: str  # "completed" | "cancelled" | "failed"
+    samples: int  # audio samples encoded (24 kHz)
+    queue_s: float  # seconds from arrival until the worker took the job
+    ttfb_s: float | None  # seconds from arrival to the first audio, queue wait included
+    metrics: Metrics | None  # the engine's figures (completed utterances only)
+    error: str | None = None  # why it failed
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """What the worker remembers of a finished job (logs, tests)."""
+
+    id: int
+    status: str
+    frames: int  # frames the generator produced
+    frames_at_cancel: int | None  # frames produced when the job was cancelled (None: not cancelled)
+
+
+class Busy(Exception):
+    """The queue is full; `retry_after` is a whole number of seconds to wait."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is busy; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Job:
+    """One utterance: a validated engine request, its encoder, and the queue its bytes go to."""
+
+    def __init__(
+        self, request: Request, encoder: Encoder, loop: asyncio.AbstractEventLoop, arrived: float | None = None
+    ):
+        self.id = next(_ids)
+        self.request, self.encoder, self.loop = request, encoder, loop
+        self.events: asyncio.Queue = asyncio.Queue()  # bytes ..., then one Outcome
+        self.arrived = time.perf_counter() if arrived is None else arrived  # perf_counter() of the request
+        self.frames_at_cancel: int | None = None
+        self.finished = False  # set on the event loop once the Outcome has been taken
+        self.stream: SpeechStream | None = None  # set by the worker when generation starts
+        self._cancelled = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop this job: before its next frame if it is generating, at once if it is waiting."""
+        if self.finished or self._cancelled.is_set():
+            return
+        self._cancelled.set()  # first, so at most one frame can follow the count read below
+        stream = self.stream
+        self.frames_at_cancel = stream.frames_generated if stream is not None else 0
+
+    async def outcomes(self) -> AsyncIterator[bytes | Outcome]:
+        """On the event loop: the job's bytes as they come, then its Outcome; leaving early cancels it."""
+        try:
+            while True:
+                item = await self.events.get()
+                if isinstance(item, Outcome):
+                    self.finished = True
+                yield item
+                if self.finished:
+                    return
+        finally:
+            self.cancel()
+
+    def put(self, item) -> None:
+        """From the worker thread: hand bytes or the Outcome to the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class Worker:
+    """The thread that owns the engine; `submit` is called on the event loop."""
+
+    def __init__(self, engine: Engine, queue_size: int, schedule: ChunkSchedule, metrics: ServerMetrics):
+        self.engine, self.schedule, self.metrics = engine, schedule, metrics
+        self.records: deque[JobRecord] = deque(maxlen=256)
+        self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
+        self._current: Job | None = None
+        self._active = 0  # jobs submitted and not yet ended
+        self._lock = threading.Lock()
+        self._mean_s: float | None = None  # running mean of seconds per job (Retry-After estimate)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kazeia-server-worker", daemon=True)
+
+    # -- event-loop side -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            try:
+                self._jobs.put_nowait(job)
+            except queue.Full:
+                raise Busy(self.retry_after()) from None
+            self._active += 1
+
+    @property
+    def queue_depth(self) -> int:
+        return self._jobs.qsize()
+
+    @property
+    def active(self) -> int:
+        """Jobs admitted and not finished: waiting plus the one being generated."""
+        return self._active
+
+    def retry_after(self) -> int:
+        mean = self._mean_s if self._mean_s is not None else 1.0
+        return max(1, min(300, math.ceil(mean * (self.queue_depth + 1))))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel everything and end the thread (server shutdown)."""
+        self._stop.set()
+        current = self._current
+        if current is not None:
+            current.cancel()
+        self._thread.join(timeout)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            job.cancel()
+            self._end(job, Outcome("cancelled", 0, time.perf_counter() - job.arrived, None, None), frames=0)
+
+    # -- worker thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if self._stop.is_set():
+                job.cancel()
+            self._current = job
+            try:
+                self._serve(job)
+            finally:
+                self._current = None
+
+    def _serve(self, job: Job) -> None:
+        started = time.perf_counter()
+        queue_s = started - job.arrived
+        if job.cancelled:
+            self._end(job, Outcome("cancelled", 0, queue_s, None, None), frames=0)
+            return
+        # Engine.stream() minus its own request building, plus the job's cancellation in the frame
+        # loop's should_stop: Engine.stream offers no stop hook that another thread may trigger
+        # (SpeechStream.close() must come from the thread that iterates it).
+        stream = SpeechStream(
+            lambda stop: self.engine.frames(job.request, lambda: stop() or job.cancelled),
+            self.engine.vocoder,
+            self.schedule,
+            job.request.seed,
+            started,
+        )
+        job.stream = stream
+        samples, ttfb = 0, None
+        try:
+            with stream:
+                for chunk in stream:
+                    if job.cancelled:
+                        break
+                    data = job.encoder.encode(chunk.audio)
+                    samples += len(chunk.audio)
+                    if ttfb is None and chunk.frames:
+                        ttfb = time.perf_counter() - job.arrived
+                        self.metrics.ttfb.observe(ttfb)
+                    if data:
+                        job.put(data)
+            if job.cancelled:
+                outcome = Outcome("cancelled", samples, queue_s, ttfb, None)
+            else:
+                tail = job.encoder.finish()
+                if tail:
+                    job.put(tail)
+                outcome = Outcome("completed", samples, queue_s, ttfb, stream.metrics)
+        except Exception as error:  # reported to this client; the server keeps serving
+            log.exception("utterance %d failed", job.id)
+            outcome = Outcome("failed", samples, queue_s, ttfb, None, f"{type(error).__name__}: {error}")
+        self._end(job, outcome, frames=stream.frames_generated)
+
+    def _end(self, job: Job, outcome: Outcome, frames: int) -> None:
+        with self._lock:
+            self._active -= 1
+        wall = time.perf_counter() - job.arrived - outcome.queue_s
+        if outcome.status == "completed":
+            self._mean_s = wall if self._mean_s is None else 0.8 * self._mean_s + 0.2 * wall
+        self.metrics.utterances.inc(outcome=outcome.status)
+        self.metrics.audio_seconds.inc(outcome.samples / SAMPLE_RATE)
+        if outcome.metrics is not None and outcome.metrics.audio_s > 0:
+            self.metrics.rtf.observe(outcome.metrics.rtf)
+        self.records.append(JobRecord(job.id, outcome.status, frames, job.frames_at_cancel))
+        log.info(
+            "utterance %d %s: %d frames, %.2f s audio, queued %.2f s, %.2f s work",
+            job.id,
+            outcome.status,
+            frames,
+            outcome.samples / SAMPLE_RATE,
+            outcome.queue_s,
+            wall,
+        )
+        job.put(outcome)
