@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 
 # Debian packages used only by tests (one per line in this list; see tests/ for who uses which).
 TEST_SYSTEM_PACKAGES=(
+  chromium         # tests/test_server_browser.py: the demo page in a headless browser
+  chromium-driver  # the same, driven through Selenium
 )
 
 python3 -m venv .venv

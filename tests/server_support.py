@@ -1,0 +1,136 @@
+"""Helpers for the server tests: live servers on 127.0.0.1, and readers of what they send."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kazeia.audio import pcm16
+
+FRAME_BYTES = 1920 * 2  # one 80 ms frame of 16-bit PCM
+HEADER_BYTES = 44
+
+
+class LiveServer:
+    """A real uvicorn serving `app` from a thread, on a socket bound to a free 127.0.0.1 port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.app = app
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.socket.close()
+        assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cli_server(checkpoint: Path, *args: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """`kazeia serve` in a child process; returns it once /health answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "kazeia", "serve", "--model", str(checkpoint), "--port", str(port), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kazeia serve exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"kazeia serve did not answer within 120 s:\n{log.read_text()}")
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number from /proc/PID/status, e.g. VmRSS (kB) or Threads."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def streamed_wav_pcm(data: bytes) -> bytes:
+    """Check a streamed WAV's 44-byte header (16-bit mono 24 kHz, sizes unknown) and return its PCM."""
+    assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt " and data[36:40] == b"data"
+    riff, fmt_size = struct.unpack("<I", data[4:8])[0], struct.unpack("<I", data[16:20])[0]
+    tag, channels, rate, byte_rate, align, bits = struct.unpack("<HHIIHH", data[20:36])
+    assert (fmt_size, tag, channels, rate, byte_rate, align, bits) == (16, 1, 1, 24000, 48000, 2, 16)
+    assert riff == 0xFFFFFFFF and struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
+    return data[HEADER_BYTES:]
+
+
+def sse_events(body: str) -> list[dict]:
+    """The JSON payloads of a `text/event-stream` body made of `data:` lines."""
+    events = []
+    for block in body.split("\n\n"):
+        lines = [line for line in block.split("\n") if line]
+        if lines:
+            assert all(line.startswith("data: ") for line in lines), lines
+            events.append(json.loads("".join(line[len("data: ") :] for line in lines)))
+    return events
+
+
+def sse_audio(events: list[dict]) -> bytes:
+    assert events[-1]["type"] == "speech.audio.done"
+    assert all(e["type"] == "speech.audio.delta" for e in events[:-1])
+    return b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+
+
+def assert_pcm_close(got: bytes, expected: bytes) -> None:
+    """Same length, samples within 1 LSB (streamed and offline audio differ by float rounding)."""
+    assert len(got) == len(expected)
+    a, b = np.frombuffer(got, "<i2").astype(int), np.frombuffer(expected, "<i2").astype(int)
+    assert np.max(np.abs(a - b), initial=0) <= 1
+
+
+def offline_pcm(engine, text: str, **options) -> bytes:
+    """What the server should send for this text: the engine's own synthesis as 16-bit PCM."""
+    return pcm16(engine.synthesize(text, **options).audio)

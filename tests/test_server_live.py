@@ -1,0 +1,165 @@
+"""A real uvicorn on 127.0.0.1: the official OpenAI client, streaming, disconnects, a full queue."""
+
+import io
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+import httpx
+import soundfile as sf
+from server_support import (
+    FRAME_BYTES,
+    HEADER_BYTES,
+    LiveServer,
+    assert_pcm_close,
+    offline_pcm,
+    sse_audio,
+    sse_events,
+    streamed_wav_pcm,
+)
+
+from kazeia.server import Limits, ServerConfig, create_app
+
+TEXT = "A real server on a real socket."
+LONG = dict(ignore_eos=True, max_new_tokens=150)  # 149 frames: seconds of work, to be cut short
+
+
+@pytest.fixture(scope="module")
+def live(engines):
+    config = ServerConfig("tiny-custom", queue_size=1, limits=Limits(max_new_tokens=150))
+    with LiveServer(create_app(engines["0.6B-custom"], config)) as server:
+        yield server
+
+
+def _generating_threads() -> int:
+    return sum(t.name == "kazeia-generate" for t in threading.enumerate())
+
+
+@pytest.fixture(autouse=True)
+def idle_after(live):
+    """Every test leaves the worker idle and no generation thread behind."""
+    yield
+    worker, deadline = live.app.state.kazeia.worker, time.monotonic() + 20
+    while (worker.active or _generating_threads()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.active == 0 and worker.queue_depth == 0 and _generating_threads() == 0
+
+
+def _body(**fields) -> dict:
+    return {"model": "tiny-custom", "input": TEXT, "voice": "serena", **fields}
+
+
+def _wait_for_record(worker, job_count: int):
+    deadline = time.monotonic() + 20
+    while len(worker.records) < job_count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(worker.records) >= job_count, "the job never ended"
+    return worker.records[job_count - 1]
+
+
+def test_openai_client_streams_a_valid_wav(live, engines, tmp_path):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0)
+    options = {"seed": 17, "max_new_tokens": 20, "ignore_eos": True, "language": "english"}
+    with client.audio.speech.with_streaming_response.create(
+        model="tiny-custom", voice="serena", input=TEXT, response_format="wav", extra_body=options
+    ) as response:
+        assert response.headers["content-type"] == "audio/wav"
+        pieces = list(response.iter_bytes())
+    assert len(pieces) > 1  # it arrived in pieces, as generated
+    data = b"".join(pieces)
+    (tmp_path / "openai.wav").write_bytes(data)
+    audio, rate = sf.read(tmp_path / "openai.wav", dtype="int16")
+    assert rate == 24000 and len(audio) == 19 * 1920
+    expected = offline_pcm(engines["0.6B-custom"], TEXT, voice="serena", **options)
+    assert_pcm_close(streamed_wav_pcm(data), expected)
+
+
+def test_openai_client_sse_and_errors(live):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0)
+    with client.audio.speech.with_streaming_response.create(
+        model="tiny-custom",
+        voice="ryan",
+        input=TEXT,
+        response_format="pcm",
+        stream_format="sse",
+        extra_body={"max_new_tokens": 6, "ignore_eos": True},
+    ) as response:
+        events = sse_events(response.read().decode())
+    assert len(sse_audio(events)) == 5 * FRAME_BYTES and events[-1]["usage"]["output_tokens"] == 5
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.audio.speech.create(model="tiny-custom", voice="alloy", input=TEXT)
+    assert bad.value.status_code == 400 and "unknown voice 'alloy'" in bad.value.message
+    with pytest.raises(openai.BadRequestError, match="speed"):
+        client.audio.speech.create(model="tiny-custom", voice="ryan", input=TEXT, speed=2.0)
+
+
+def test_audio_arrives_while_it_is_generated(live):
+    worker = live.app.state.kazeia.worker
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        with client.stream("POST", "/v1/audio/speech", json=_body(response_format="wav", **LONG)) as response:
+            received = b""
+            pieces = response.iter_bytes()
+            while len(received) <= HEADER_BYTES:
+                received += next(pieces)
+            assert worker.active == 1  # the first audio is here and generation goes on
+            received += b"".join(pieces)
+    assert len(streamed_wav_pcm(received)) == 149 * FRAME_BYTES
+
+
+def test_client_disconnect_stops_generation_within_one_frame(live):
+    worker = live.app.state.kazeia.worker
+    jobs = len(worker.records)
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        with client.stream("POST", "/v1/audio/speech", json=_body(response_format="pcm", **LONG)) as response:
+            next(response.iter_bytes())
+    record = _wait_for_record(worker, jobs + 1)
+    assert record.status == "cancelled"
+    assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
+
+
+def test_websocket_disconnect_stops_generation_within_one_frame(live):
+    from websockets.sync.client import connect
+
+    worker = live.app.state.kazeia.worker
+    jobs = len(worker.records)
+    with connect(live.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+        ws.send('{"type": "session.update", "session": {"voice": "eric", "ignore_eos": true, "max_new_tokens": 150}}')
+        assert '"session.updated"' in ws.recv(timeout=10)
+        ws.send('{"type": "input_text", "text": "Goodbye."}')
+        assert '"audio.start"' in ws.recv(timeout=10)
+        assert isinstance(ws.recv(timeout=10), bytes)
+    record = _wait_for_record(worker, jobs + 1)
+    assert record.status == "cancelled"
+    assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
+
+
+def test_full_queue_is_refused_with_503_and_retry_after(live):
+    worker = live.app.state.kazeia.worker
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        body = _body(response_format="pcm", **LONG)
+        with client.stream("POST", "/v1/audio/speech", json=body) as first:
+            next(first.iter_bytes())  # generating
+            with client.stream("POST", "/v1/audio/speech", json=body) as second:
+                assert second.status_code == 200 and worker.queue_depth == 1  # waiting its turn
+                refused = client.post("/v1/audio/speech", json=body)
+                assert refused.status_code == 503
+                assert int(refused.headers["retry-after"]) >= 1
+                error = refused.json()["error"]
+                assert error["code"] == "queue_full" and error["type"] == "server_error"
+                assert "busy" in error["message"]
+        metrics = client.get("/metrics").text
+    assert 'kazeia_request_errors_total{route="/v1/audio/speech",status="503"} 1' in metrics
+    statuses = [r.status for r in list(worker.records)[-2:]]
+    assert statuses == ["cancelled", "cancelled"]
+
+
+def test_wav_from_the_server_reads_with_soundfile(live):
+    with httpx.Client(base_url=live.url, timeout=30) as client:
+        r = client.post("/v1/audio/speech", json=_body(response_format="wav", max_new_tokens=5, ignore_eos=True))
+    audio, rate = sf.read(io.BytesIO(r.content))
+    assert rate == 24000 and len(audio) == 4 * 1920
