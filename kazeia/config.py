@@ -1,9 +1,9 @@
 """Frozen configuration dataclasses read from a released checkpoint's JSON files.
 
-Scope: `config.json` (talker + code predictor), `speech_tokenizer/config.json` (the vocoder) and
-`generation_config.json` (sampling defaults). Every field the engine uses is read explicitly; a
-missing key is a `CheckpointError` naming the file and the key. Non-goal: the speech-tokenizer
-encoder and the speaker encoder (voice cloning) are not described here yet.
+Scope: `config.json` (talker + code predictor, and the speaker encoder of Base checkpoints),
+`speech_tokenizer/config.json` (the vocoder and the encoder) and `generation_config.json`
+(sampling defaults). Every field the engine uses is read explicitly; a missing key is a
+`CheckpointError` naming the file and the key.
 """
 
 from __future__ import annotations
@@ -260,3 +260,151 @@ class GenerationDefaults:
             return cls(**values)
         except TypeError as e:  # pragma: no cover - dataclass with only known keys
             raise CheckpointError(f"{path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The speech-tokenizer encoder (`speech_tokenizer/config.json`, `encoder_config`): audio -> codes.
+
+    A Mimi encoder: SEANet convolutions (total stride prod(strides), 25 Hz), a causal transformer,
+    a stride-2 downsampling conv (12.5 Hz) and a split residual vector quantizer of which the first
+    `valid_quantizers` codebooks are kept.
+    """
+
+    num_filters: int  # channels after the first conv (64); doubled by every strided conv
+    kernel_size: int  # first conv (7)
+    last_kernel_size: int  # last conv (3)
+    residual_kernel_size: int  # residual blocks' first conv (3)
+    num_residual_layers: int  # residual blocks before each strided conv (1)
+    dilation_growth_rate: int  # dilation of residual block j: rate**j
+    compress: int  # residual block hidden width = channels // compress
+    strides: tuple[int, ...]  # strided convs in order (4, 5, 6, 8): reversed `upsampling_ratios`
+    hidden_size: int  # transformer width (512)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # GELU MLP width
+    norm_eps: float  # LayerNorm eps
+    rope_theta: float
+    num_quantizers: int  # codebooks in the checkpoint (32: 1 semantic + 31 acoustic)
+    num_semantic_quantizers: int  # 1
+    valid_quantizers: int  # codebooks kept per frame (`encoder_valid_num_quantizers`, 16)
+    codebook_size: int  # 2048
+    codebook_dim: int  # width of a codebook vector (256)
+    downsample_kernel: int  # kernel of the stride-2 downsampling conv (4)
+    samples_per_frame: int  # `encode_downsample_rate` (1920)
+    sample_rate: int  # `input_sample_rate` (24000)
+
+    @property
+    def downsample_stride(self) -> int:
+        hop = 1
+        for s in self.strides:
+            hop *= s
+        return self.samples_per_frame // hop
+
+    @classmethod
+    def from_file(cls, path: Path) -> EncoderConfig:
+        top = _Fields(read_json(path), str(path))
+        f = top.sub("encoder_config")
+        for key, expected in (("use_causal_conv", True), ("use_conv_shortcut", False), ("pad_mode", "constant")):
+            if f.get(key) != expected:
+                raise CheckpointError(f"{path}: encoder_config.{key} is {f.get(key)!r}; only {expected!r} is supported")
+        if f.get("hidden_act", str) != "gelu" or f.get("audio_channels", int) != 1:
+            raise CheckpointError(f"{path}: encoder_config must have hidden_act 'gelu' and audio_channels 1")
+        if f.get("codebook_dim", int) != f.get("vector_quantization_hidden_dimension", int):
+            raise CheckpointError(f"{path}: encoder_config codebook_dim != vector_quantization_hidden_dimension")
+        strides = tuple(reversed(f.get("upsampling_ratios", list)))
+        hop = 1
+        for s in strides:
+            hop *= s
+        # Mimi: kernel 2 * int(ceil(sampling_rate / hop) / frame_rate), stride 2.
+        kernel = 2 * int(-(-f.get("sampling_rate", int) // hop) / f.get("_frame_rate", float))
+        cfg = cls(
+            num_filters=f.get("num_filters", int),
+            kernel_size=f.get("kernel_size", int),
+            last_kernel_size=f.get("last_kernel_size", int),
+            residual_kernel_size=f.get("residual_kernel_size", int),
+            num_residual_layers=f.get("num_residual_layers", int),
+            dilation_growth_rate=f.get("dilation_growth_rate", int),
+            compress=f.get("compress", int),
+            strides=strides,
+            hidden_size=f.get("hidden_size", int),
+            num_layers=f.get("num_hidden_layers", int),
+            num_heads=f.get("num_attention_heads", int),
+            num_kv_heads=f.get("num_key_value_heads", int),
+            head_dim=f.get("head_dim", int),
+            intermediate_size=f.get("intermediate_size", int),
+            norm_eps=f.get("norm_eps", float),
+            rope_theta=f.get("rope_theta", float),
+            num_quantizers=f.get("num_quantizers", int),
+            num_semantic_quantizers=f.get("num_semantic_quantizers", int),
+            valid_quantizers=top.get("encoder_valid_num_quantizers", int),
+            codebook_size=f.get("codebook_size", int),
+            codebook_dim=f.get("codebook_dim", int),
+            downsample_kernel=kernel,
+            samples_per_frame=top.get("encode_downsample_rate", int),
+            sample_rate=top.get("input_sample_rate", int),
+        )
+        if hop * 2 != cfg.samples_per_frame:
+            raise CheckpointError(
+                f"{path}: encoder strides give {hop * 2} samples per frame, not {cfg.samples_per_frame}"
+            )
+        if not cfg.num_semantic_quantizers < cfg.valid_quantizers <= cfg.num_quantizers:
+            raise CheckpointError(f"{path}: encoder_valid_num_quantizers {cfg.valid_quantizers} out of range")
+        return cfg
+
+
+# Speaker-encoder fields the released config.json leaves out; these are the reference's class
+# defaults (`Qwen3TTSSpeakerEncoderConfig`), used exactly as the reference uses them.
+SPEAKER_ENCODER_DEFAULTS = {
+    "mel_dim": 128,
+    "enc_channels": [512, 512, 512, 512, 1536],
+    "enc_kernel_sizes": [5, 3, 3, 3, 1],
+    "enc_dilations": [1, 2, 3, 4, 1],
+    "enc_attention_channels": 128,
+    "enc_res2net_scale": 8,
+    "enc_se_channels": 128,
+    "sample_rate": 24000,
+}
+
+
+@dataclass(frozen=True)
+class SpeakerEncoderConfig:
+    """The ECAPA-TDNN speaker encoder of Base checkpoints (`config.json`, `speaker_encoder_config`)."""
+
+    mel_dim: int  # log-mel bins of the input (128)
+    enc_dim: int  # x-vector width = talker hidden size (1024 / 2048)
+    channels: tuple[int, ...]  # first TDNN, the SE-Res2Net blocks, then the aggregation layer
+    kernel_sizes: tuple[int, ...]
+    dilations: tuple[int, ...]
+    attention_channels: int  # attentive statistics pooling bottleneck (128)
+    res2net_scale: int  # Res2Net splits (8)
+    se_channels: int  # squeeze-excitation bottleneck (128)
+    sample_rate: int  # Hz of the audio the mel front end expects (24000)
+
+    @classmethod
+    def from_file(cls, path: Path) -> SpeakerEncoderConfig:
+        """Read `speaker_encoder_config` of a Base checkpoint's config.json; absent fields take the
+        reference's defaults, but enc_dim must be there and equal the talker width."""
+        top = _Fields(read_json(path), str(path))
+        f = top.sub("speaker_encoder_config")
+        values = {**SPEAKER_ENCODER_DEFAULTS, **f.data}
+        g = _Fields(values, f.where)
+        cfg = cls(
+            mel_dim=g.get("mel_dim", int),
+            enc_dim=f.get("enc_dim", int),
+            channels=tuple(g.get("enc_channels", list)),
+            kernel_sizes=tuple(g.get("enc_kernel_sizes", list)),
+            dilations=tuple(g.get("enc_dilations", list)),
+            attention_channels=g.get("enc_attention_channels", int),
+            res2net_scale=g.get("enc_res2net_scale", int),
+            se_channels=g.get("enc_se_channels", int),
+            sample_rate=g.get("sample_rate", int),
+        )
+        if not len(cfg.channels) == len(cfg.kernel_sizes) == len(cfg.dilations) >= 3:
+            raise CheckpointError(f"{path}: speaker_encoder_config channel, kernel and dilation lists differ in length")
+        width = top.sub("talker_config").get("hidden_size", int)
+        if cfg.enc_dim != width:
+            raise CheckpointError(f"{path}: speaker_encoder_config.enc_dim {cfg.enc_dim} != talker hidden_size {width}")
+        return cfg

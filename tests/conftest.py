@@ -13,6 +13,8 @@ TINY = {
     "0.6B-custom": ("0.6B", "custom_voice"),
     "1.7B-custom": ("1.7B", "custom_voice"),
     "1.7B-design": ("1.7B", "voice_design"),
+    "0.6B-base": ("0.6B", "base"),
+    "1.7B-base": ("1.7B", "base"),
 }
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .clone import TINY_SPEAKER, encoder_tensors, speaker_tensors, tiny_encoder_config
 from .vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
 
 FILES = Path(__file__).resolve().parent.parent / "reference_files"
@@ -28,6 +29,8 @@ CHECKPOINTS = {
     ("0.6B", "custom_voice"): "Qwen3-TTS-12Hz-0.6B-CustomVoice",
     ("1.7B", "custom_voice"): "Qwen3-TTS-12Hz-1.7B-CustomVoice",
     ("1.7B", "voice_design"): "Qwen3-TTS-12Hz-1.7B-VoiceDesign",
+    ("0.6B", "base"): "Qwen3-TTS-12Hz-0.6B-Base",
+    ("1.7B", "base"): "Qwen3-TTS-12Hz-1.7B-Base",
 }
 # Tiny widths. The 1.7B-like talker is wider than its code predictor, as in the release, so the
 # small_to_mtp projection exists; the 0.6B-like one has equal widths and no projection.
@@ -48,6 +51,8 @@ def model_config(size: str, kind: str, tiny: bool) -> dict:
         talker = cfg["talker_config"]
         talker.update(hidden_size=TINY_TALKER[size], text_hidden_size=TINY_TEXT_HIDDEN, **TINY_STACK)
         talker["code_predictor_config"].update(TINY_PREDICTOR)
+        if kind == "base":
+            cfg["speaker_encoder_config"].update(TINY_SPEAKER, enc_dim=TINY_TALKER[size])
     return cfg
 
 
@@ -115,6 +120,8 @@ def model_tensors(
     if H != P:
         out["talker.code_predictor.small_to_mtp_projection.weight"] = _linear(P, H, gen, dtype)
         out["talker.code_predictor.small_to_mtp_projection.bias"] = _normal((P,), 0.02, gen, dtype)
+    if cfg["tts_model_type"] == "base":
+        out.update(speaker_tensors(cfg, gen, dtype))
     return out
 
 
@@ -141,7 +148,7 @@ def write_checkpoint(
     (root / "config.json").write_text(json.dumps(cfg, indent=2))
     speech_cfg = json.loads((source / "speech_tokenizer" / "config.json").read_text())
     if tiny:
-        speech_cfg = tiny_speech_tokenizer_config(speech_cfg)
+        speech_cfg = tiny_encoder_config(tiny_speech_tokenizer_config(speech_cfg))
     (root / "speech_tokenizer" / "config.json").write_text(json.dumps(speech_cfg, indent=2))
 
     gen = torch.Generator().manual_seed(seed)
@@ -150,5 +157,7 @@ def write_checkpoint(
 
     vocoder_cfg = VocoderConfig.from_file(root / "speech_tokenizer" / "config.json")
     vocoder = random_vocoder_tensors(vocoder_cfg, gen)
+    if kind == "base":  # the encoder turns reference audio into codes (voice cloning)
+        vocoder.update(encoder_tensors(speech_cfg, gen))
     save_file(vocoder, str(root / "speech_tokenizer" / "model.safetensors"))
     return root
