@@ -1,17 +1,23 @@
-"""Audio constants and file output.
+"""Audio constants, file output, and reading reference audio for voice cloning.
 
-Scope: writing synthesized audio (float32 mono, 24 kHz) to WAV and other soundfile formats.
-Non-goals: resampling and reading reference audio (voice cloning) live elsewhere.
+Scope: writing synthesized audio (float32 mono, 24 kHz) to WAV and other soundfile formats;
+decoding reference audio (files, bytes, file objects or arrays), mixing it down to mono,
+resampling it to 24 kHz with soxr and rejecting audio that cannot serve as a reference.
+Non-goals: fetching URLs, decoding formats libsndfile cannot read.
 """
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
 import numpy as np
 
 SAMPLE_RATE = 24000  # Hz, output of every released 12 Hz checkpoint
 SAMPLES_PER_FRAME = 1920  # 80 ms of audio per code frame
+MIN_REFERENCE_S = 1.0  # shortest reference audio accepted, seconds (3-10 s clone best)
+SILENCE_PEAK = 1e-3  # a reference whose peak stays below this (-60 dBFS) is treated as silence
 
 
 def pcm16(audio: np.ndarray) -> bytes:
@@ -46,3 +52,88 @@ def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_R
         )
     except (sf.LibsndfileError, TypeError, ValueError) as e:
         raise ValueError(f"cannot write audio to {path}: {e}") from None
+
+
+def load_reference_audio(source, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Reference audio for voice cloning -> mono float32 at `sample_rate` Hz.
+
+    `source`: a path (WAV, FLAC, OGG, MP3 or anything else libsndfile reads), the bytes of such a
+    file, a binary file object, or `(array, sample_rate)` with an array of shape (samples,) or
+    (samples, channels) (float in [-1, 1], or signed integer PCM scaled by its type's range). Channels are
+    averaged; other rates are resampled with soxr (high quality), as the reference does with
+    librosa. Raises ValueError for unreadable, empty, non-finite, too short (< MIN_REFERENCE_S) or
+    silent (peak < SILENCE_PEAK) audio.
+    """
+    audio, rate, name = _decode(source)
+    if audio.ndim == 2:
+        audio = np.mean(audio, axis=-1) if audio.shape[1] else np.zeros(0, np.float32)
+    audio = audio.astype(np.float32, copy=False)
+    if audio.size == 0:
+        raise ValueError(f"reference audio {name} is empty")
+    if not np.isfinite(audio).all():
+        raise ValueError(f"reference audio {name} contains NaN or infinite samples")
+    if audio.size < MIN_REFERENCE_S * rate:
+        raise ValueError(
+            f"reference audio {name} is too short: {audio.size / rate:.2f} s, need at least {MIN_REFERENCE_S:g} s"
+        )
+    if np.max(np.abs(audio)) < SILENCE_PEAK:
+        raise ValueError(f"reference audio {name} is silent (peak below {SILENCE_PEAK:g})")
+    return resample(audio, rate, sample_rate)
+
+
+def resample(audio: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
+    """Mono float32 audio from `orig_sr` to `target_sr` Hz: soxr "HQ", cut or zero-padded to
+    ceil(len * target / orig) samples (librosa.resample's defaults, which the reference uses)."""
+    if orig_sr == target_sr:
+        return audio
+    import soxr
+
+    length = int(np.ceil(audio.shape[-1] * (float(target_sr) / orig_sr)))
+    out = soxr.resample(np.ascontiguousarray(audio), orig_sr, target_sr, quality="HQ")
+    out = out[:length] if len(out) >= length else np.pad(out, (0, length - len(out)))
+    return out.astype(np.float32, copy=False)
+
+
+def _decode(source) -> tuple[np.ndarray, int, str]:
+    """(audio (samples,) or (samples, channels), sample rate, a name for messages)."""
+    if isinstance(source, tuple):
+        return _from_array(source)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source).expanduser()
+        if not path.is_file():
+            raise ValueError(f"reference audio: no such file: {path}")
+        return _read(str(path), str(path))
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return _read(io.BytesIO(bytes(source)), "(bytes)")
+    if hasattr(source, "read"):
+        return _read(source, getattr(source, "name", "(file object)"))
+    raise ValueError(
+        "reference audio must be a path, bytes, a binary file object or an (array, sample_rate) tuple, "
+        f"got {type(source).__name__}"
+    )
+
+
+def _read(file, name: str) -> tuple[np.ndarray, int, str]:
+    import soundfile as sf
+
+    try:
+        audio, rate = sf.read(file, dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as e:
+        raise ValueError(f"cannot read reference audio {name}: {e}") from None
+    return audio, int(rate), str(name)
+
+
+def _from_array(source: tuple) -> tuple[np.ndarray, int, str]:
+    if len(source) != 2:
+        raise ValueError("reference audio as a tuple must be (array, sample_rate)")
+    audio, rate = source
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
+        raise ValueError(f"reference audio sample rate must be a positive integer, got {rate!r}")
+    audio = np.asarray(audio)
+    if audio.ndim not in (1, 2):
+        raise ValueError(f"reference audio array must have shape (samples,) or (samples, channels), got {audio.shape}")
+    if np.issubdtype(audio.dtype, np.signedinteger):
+        audio = audio.astype(np.float32) / float(2 ** (8 * audio.dtype.itemsize - 1))
+    elif not np.issubdtype(audio.dtype, np.floating):
+        raise ValueError(f"reference audio array must hold float or signed integer PCM samples, got {audio.dtype}")
+    return audio, int(rate), "(array)"

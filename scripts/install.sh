@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 TEST_SYSTEM_PACKAGES=(
   chromium         # tests/test_server_browser.py: the demo page in a headless browser
   chromium-driver  # the same, driven through Selenium
+  espeak-ng        # tests/clone_support.py: real speech as reference audio for voice cloning
 )
 
 python3 -m venv .venv

@@ -1,0 +1,130 @@
+"""Reference audio for cloning: formats, mix-down, resampling, rejected input; the mel filterbank."""
+
+import io
+
+import librosa
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from clone_support import ESPEAK_RATE, espeak
+
+from kazeia.audio import MIN_REFERENCE_S, load_reference_audio, resample
+from kazeia.speaker import FMAX, FMIN, N_FFT, N_MELS, LogMel, mel_filterbank
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory):
+    path = espeak(tmp_path_factory.mktemp("speech") / "speech.wav", "Reference audio in every format.", "en", 44100)
+    audio, rate = sf.read(path, dtype="float32")
+    return path, audio, rate
+
+
+def test_lossless_sources_give_the_same_audio(speech, tmp_path):
+    path, audio, rate = speech
+    expected = librosa.resample(audio, orig_sr=rate, target_sr=24000)  # what the reference computes
+    flac = tmp_path / "speech.flac"
+    sf.write(flac, audio, rate, subtype="PCM_16")
+    pcm = (audio * 32768).round().astype(np.int16)
+    sources = [path, str(path), flac, path.read_bytes(), io.BytesIO(path.read_bytes()), (audio, rate), (pcm, rate)]
+    for source in sources:
+        got = load_reference_audio(source)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, expected)
+    assert ESPEAK_RATE != 24000  # so resampling ran
+
+
+@pytest.mark.parametrize("fmt,subtype", [("OGG", "VORBIS"), ("MP3", "MPEG_LAYER_III")])
+def test_lossy_formats(speech, tmp_path, fmt, subtype):
+    path, audio, rate = speech
+    if fmt not in sf.available_formats():
+        pytest.skip(f"this libsndfile cannot write {fmt}")
+    lossy = tmp_path / f"speech.{fmt.lower()}"
+    sf.write(lossy, audio, rate, format=fmt, subtype=subtype)
+    got = load_reference_audio(lossy)
+    expected = load_reference_audio(path)
+    assert abs(len(got) - len(expected)) < 0.1 * 24000  # codec padding aside, the same length
+    n = min(len(got), len(expected))
+    rms = lambda x: float(np.sqrt(np.mean(x**2)))  # noqa: E731
+    assert abs(rms(got[:n]) - rms(expected[:n])) < 0.2 * rms(expected[:n])
+
+
+def test_channels_are_averaged(speech, tmp_path):
+    _, audio, rate = speech
+    stereo = np.stack((audio, 0.5 * audio[::-1]), axis=1)
+    expected = resample(stereo.mean(axis=1).astype(np.float32), rate, 24000)
+    wav = tmp_path / "stereo.wav"
+    sf.write(wav, stereo, rate, subtype="FLOAT")
+    np.testing.assert_array_equal(load_reference_audio(wav), expected)
+    np.testing.assert_array_equal(load_reference_audio((stereo, rate)), expected)
+
+
+def test_24k_audio_is_not_resampled():
+    audio = (0.1 * np.sin(np.arange(30000) / 7)).astype(np.float32)
+    np.testing.assert_array_equal(load_reference_audio((audio, 24000)), audio)
+
+
+def test_bad_reference_audio(tmp_path):
+    loud = (0.3 * np.sin(np.arange(48000) / 5)).astype(np.float32)
+    empty_wav, text = tmp_path / "empty.wav", tmp_path / "notes.wav"
+    sf.write(empty_wav, np.zeros(0, np.float32), 16000)
+    text.write_text("this is not audio")
+    short = int(MIN_REFERENCE_S * 16000) - 1
+    nan = loud.copy()
+    nan[100] = np.nan
+    cases = [
+        (tmp_path / "missing.wav", "no such file"),
+        (text, "cannot read reference audio"),
+        (b"RIFF garbage", "cannot read reference audio"),
+        (empty_wav, "is empty"),
+        ((np.zeros(0, np.float32), 16000), "is empty"),
+        ((np.zeros((48000, 0), np.float32), 16000), "is empty"),
+        ((loud[:short], 16000), "too short"),
+        ((np.zeros(48000, np.float32), 16000), "silent"),
+        ((1e-5 * loud, 16000), "silent"),
+        ((nan, 16000), "NaN or infinite"),
+        ((loud, 0), "sample rate must be a positive integer"),
+        ((loud, 16000.0), "sample rate must be a positive integer"),
+        ((loud, True), "sample rate must be a positive integer"),
+        ((loud.reshape(1, 2, -1), 16000), "must have shape"),
+        ((loud.astype(np.uint8), 16000), "float or signed integer"),
+        ((loud, 16000, 1), "must be \\(array, sample_rate\\)"),
+        (loud, "must be a path, bytes"),
+        (42, "must be a path, bytes"),
+    ]
+    for source, message in cases:
+        with pytest.raises(ValueError, match=message):
+            load_reference_audio(source)
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 22050, 44100, 48000])
+def test_resampling_matches_librosa(rate):
+    audio = np.random.default_rng(rate).standard_normal(rate + 123).astype(np.float32) * 0.1
+    expected = librosa.resample(audio, orig_sr=rate, target_sr=24000)
+    np.testing.assert_array_equal(resample(audio, rate, 24000), expected)
+
+
+@pytest.mark.parametrize(
+    "sr,n_fft,n_mels,fmin,fmax",
+    [(24000, N_FFT, N_MELS, FMIN, FMAX), (16000, 512, 80, 20.0, 7600.0), (22050, 2048, 64, 0.0, 4000.0)],
+)
+def test_mel_filterbank_matches_librosa(sr, n_fft, n_mels, fmin, fmax):
+    ours = mel_filterbank(sr, n_fft, n_mels, fmin, fmax)
+    theirs = librosa.filters.mel(sr=sr, n_fft=n_fft, n_mels=n_mels, fmin=fmin, fmax=fmax)
+    assert ours.dtype == theirs.dtype == np.float32
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_log_mel_matches_the_reference_front_end(speech):
+    from reference import load_reference
+
+    load_reference()
+    from qwen_tts.core.models.modeling_qwen3_tts import mel_spectrogram
+
+    audio = torch.from_numpy(load_reference_audio(speech[0]))[None]
+    theirs = mel_spectrogram(
+        audio, n_fft=1024, num_mels=128, sampling_rate=24000, hop_size=256, win_size=1024, fmin=0, fmax=12000
+    )
+    ours = LogMel(24000)(audio)
+    assert ours.shape == theirs.shape == (1, 128, (audio.shape[1] + 768 - 1024) // 256 + 1)
+    assert torch.max(torch.abs(ours - theirs)) <= 1e-5
