@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     say = sub.add_parser("say", help="synthesize text to an audio file")
     say.add_argument("text", help="the text to speak")
     _model_args(say)
-    say.add_argument("--voice", help="preset speaker (CustomVoice checkpoints); see `kazeia voices`")
+    say.add_argument(
+        "--voice",
+        help="preset speaker (CustomVoice; see `kazeia voices`) or a voice file (Base: `kazeia voices create`)",
+    )
     say.add_argument("--language", help="language name or auto (default: auto)")
     say.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
     say.add_argument("--seed", type=int, help="sampling seed (same seed, same audio)")
@@ -104,8 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--chunk-frames", type=int, default=4, help="frames in each later streamed chunk")
     _sampling_args(say)
 
-    voices = sub.add_parser("voices", help="list the voices and languages of a checkpoint")
+    voices = sub.add_parser(
+        "voices", help="list the voices and languages of a checkpoint, or clone a voice (Base checkpoints)"
+    )
+    voices.add_argument("action", nargs="?", default="list", choices=["list", "create"], help="(default: list)")
     _model_args(voices)
+    clone = voices.add_argument_group("create: clone the voice of reference audio into a voice file")
+    clone.add_argument("--audio", help="reference audio: WAV/FLAC/OGG/MP3, 3-10 s of one speaker")
+    clone.add_argument("--text", help="transcript of the reference audio (ICL mode, the closest likeness)")
+    clone.add_argument("--x-vector-only", action="store_true", help="use only the speaker embedding (no --text)")
+    clone.add_argument("-o", "--output", help="voice file to write, e.g. me.voice")
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP/WebSocket API and the demo page")
     _model_args(srv)
@@ -124,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     rnd = sub.add_parser("random-checkpoint", help="write a random-weight checkpoint (tests, demos, benchmarks)")
     rnd.add_argument("directory")
     rnd.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
-    rnd.add_argument("--kind", default="custom_voice", choices=["custom_voice", "voice_design"])
+    rnd.add_argument("--kind", default="custom_voice", choices=["custom_voice", "voice_design", "base"])
     rnd.add_argument("--real-size", action="store_true", help="real dimensions (GBs) instead of tiny ones")
     rnd.add_argument("--seed", type=int, default=0)
     return parser
@@ -202,9 +213,15 @@ def _say_streaming(engine, args, sampling) -> int:
 
 
 def _voices(args) -> int:
+    if args.action == "create":
+        return _create_voice(args)
+    given = [flag for flag, value in (("--audio", args.audio), ("--text", args.text), ("-o", args.output)) if value]
+    if given or args.x_vector_only:
+        raise ValueError(f"{(given or ['--x-vector-only'])[0]} belongs to `kazeia voices create`")
     engine = _load(args)
     print(f"model type: {engine.model_type}")
-    print("voices: " + (", ".join(engine.voices) or "(none: describe the voice with --instruct)"))
+    none = "clone one with `kazeia voices create`" if engine.model_type == "base" else "describe it with --instruct"
+    print("voices: " + (", ".join(engine.voices) or f"(none: {none})"))
     print("languages: " + ", ".join(engine.languages))
     return 0
 
@@ -222,6 +239,18 @@ def _serve(args) -> int:
     limits = Limits(max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens)
     config = ServerConfig(name, args.queue_size, args.first_chunk_frames, args.chunk_frames, limits)
     serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _create_voice(args) -> int:
+    if not args.audio or not args.output:
+        raise ValueError("kazeia voices create needs --audio REF_AUDIO and -o VOICE_FILE")
+    engine = _load(args)
+    voice = engine.create_voice(args.audio, ref_text=args.text, x_vector_only=args.x_vector_only)
+    voice.save(args.output)
+    mode = "ICL" if voice.mode == "icl" else "x-vector-only"
+    frames = f", {voice.ref_frames} reference frames" if voice.ref_frames else ""
+    print(f"{args.output}: {mode} voice for {voice.model.describe()}{frames}", file=sys.stderr)
     return 0
 
 

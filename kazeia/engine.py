@@ -3,6 +3,10 @@
 ```python
 engine = Engine.load("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
 speech = engine.synthesize("Bonjour Kazeia.", voice="serena", language="french", seed=7)
+
+base = Engine.load("Qwen/Qwen3-TTS-12Hz-0.6B-Base")  # voice cloning
+me = base.create_voice("me.wav", ref_text="What I say in me.wav.")
+speech = base.synthesize("Bonjour Kazeia.", voice=me, language="french")
 ```
 
 Every call is independent (fresh caches, its own `torch.Generator`); the same text, voice, options
@@ -20,16 +24,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from .audio import SAMPLE_RATE
+from .audio import SAMPLE_RATE, load_reference_audio
 from .checkpoint import DTYPES, resolve
 from .config import GenerationDefaults, ModelConfig
 from .generate import FrameStats, frames
 from .model import TTSModel
-from .prompt import Conditioning, build_prompt
+from .prompt import Clone, Conditioning, build_prompt, icl_cut
 from .sampling import SamplingOptions
 from .streaming import ChunkSchedule, Metrics, SpeechStream
 from .text import TextTokenizer
 from .vocoder import Vocoder
+from .voices import Cloner, Priming, Voice, copy_state, decode_from
 
 
 @dataclass(frozen=True)
@@ -64,9 +69,12 @@ class Engine:
         tokenizer: TextTokenizer,
         defaults: SamplingOptions,
         device: torch.device,
+        cloner: Cloner | None = None,
     ):
         self.cfg, self.model, self.vocoder, self.tokenizer = cfg, model, vocoder, tokenizer
         self.defaults, self.device = defaults, device
+        self.cloner = cloner  # Base checkpoints: the speech-tokenizer encoder and the speaker encoder
+        self._priming = Priming(vocoder)  # ICL voices: vocoder states after their reference frames
 
     @classmethod
     def load(
@@ -99,7 +107,8 @@ class Engine:
         tokenizer = TextTokenizer.from_dir(files.root, regex=tokenizer_regex)
         model = TTSModel.load(cfg, files["model.safetensors"], torch_device, weights)
         vocoder = Vocoder.load(files["speech_tokenizer"], device=torch_device, dtype=vocoder_weights)
-        return cls(cfg, model, vocoder, tokenizer, defaults, torch_device)
+        cloner = Cloner.load(files.root, cfg, torch_device) if cfg.tts_model_type == "base" else None
+        return cls(cfg, model, vocoder, tokenizer, defaults, torch_device, cloner)
 
     # -- what the checkpoint supports -------------------------------------------------------
     @property
@@ -117,6 +126,36 @@ class Engine:
         """Accepted `language` values: "auto" plus the checkpoint's languages (dialects come with speakers)."""
         dialects = {d for d in self.cfg.talker.speaker_dialects.values() if d}
         return ["auto"] + sorted(k for k in self.cfg.talker.language_ids if k not in dialects)
+
+    # -- voice cloning (Base checkpoints) ------------------------------------------------------
+    def create_voice(self, ref_audio, ref_text: str | None = None, x_vector_only: bool = False) -> Voice:
+        """Clone the voice of `ref_audio` (a Base checkpoint's job): encode it once into a `Voice`.
+
+        ref_audio: a path (WAV/FLAC/OGG/MP3), the bytes of such a file, a binary file object, or
+            `(array, sample_rate)`; mixed down to mono and resampled to 24 kHz. 3-10 s of clean
+            speech work best; under 1 s, empty, silent or unreadable audio is a ValueError.
+        ref_text: the transcript of `ref_audio`, required in ICL mode (the default): the talker then
+            continues the reference's own codes, which copies the voice most closely.
+        x_vector_only: use only the speaker embedding (no transcript needed, looser likeness).
+        """
+        if self.cloner is None:
+            raise ValueError(f"voice cloning needs a Base checkpoint; this is a {self.model_type} checkpoint")
+        if not isinstance(x_vector_only, bool):
+            raise ValueError(f"x_vector_only must be True or False, got {x_vector_only!r}")
+        if x_vector_only and ref_text is not None:
+            raise ValueError("ref_text is not used with x_vector_only=True; leave it out")
+        if not x_vector_only:
+            if not isinstance(ref_text, str) or not ref_text.strip():
+                raise ValueError(
+                    "ref_text, the transcript of the reference audio, is required for ICL cloning "
+                    "(or pass x_vector_only=True)"
+                )
+            self._ref_text_ids(ref_text)
+        audio = load_reference_audio(ref_audio, self.cloner.encoder.cfg.sample_rate)
+        codes, x_vector = self.cloner.encode(audio)
+        if x_vector_only:
+            return Voice(x_vector, None, None, self.cloner.model)
+        return Voice(x_vector, codes, ref_text, self.cloner.model)
 
     # -- synthesis --------------------------------------------------------------------------
     def synthesize(
@@ -146,7 +185,7 @@ class Engine:
                 prefill_s = time.perf_counter() - start
             codes.append(frame)
         code_matrix = torch.stack(codes)  # (frames, 16)
-        audio = self.decode(code_matrix, reference_chunked=reference_chunked_decode)
+        audio = self._audio(code_matrix, request.cond.clone, reference_chunked_decode)
         wall = time.perf_counter() - start
         audio_s = len(audio) / SAMPLE_RATE
         metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed)
@@ -174,8 +213,11 @@ class Engine:
         started = time.perf_counter()
         schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
         request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        clone, state = request.cond.clone, None
+        if clone is not None and clone.ref_codes is not None:  # ICL: continue after the reference's audio
+            state = copy_state(self._priming.get(clone.ref_codes).state)
         return SpeechStream(
-            lambda should_stop: self.frames(request, should_stop), self.vocoder, schedule, request.seed, started
+            lambda should_stop: self.frames(request, should_stop), self.vocoder, schedule, request.seed, started, state
         )
 
     def request(
@@ -201,7 +243,9 @@ class Engine:
     def frames(self, request: Request, should_stop=None, stats: FrameStats | None = None) -> Iterator[torch.Tensor]:
         """The frame generator for a validated request: yields (16,) int64 code frames."""
         m = self.model
-        prompt = build_prompt(m.talker, self.cfg, request.text_ids, request.cond, request.non_streaming_mode)
+        prompt = build_prompt(
+            m.talker, self.cfg, request.text_ids, request.cond, request.non_streaming_mode, m.code_predictor
+        )
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
         eos = self.cfg.talker.codec_eos_id
         return frames(m.talker, m.code_predictor, prompt, request.options, eos, generator, should_stop, stats)
@@ -214,10 +258,28 @@ class Engine:
         audio = self.vocoder.decode_reference_chunked(codes) if reference_chunked else self.vocoder(codes)
         return audio[0].float().cpu().numpy().astype(np.float32, copy=False)
 
+    @torch.inference_mode()
+    def _audio(self, codes: torch.Tensor, clone: Clone | None, reference_chunked: bool) -> np.ndarray:
+        """The audio of generated codes (frames, 16). ICL voices: like the reference, the decode of
+        reference + generated frames with the first `icl_cut(...)` samples dropped; computed as the
+        generated frames decoded on the voice's primed vocoder state, after the reference samples
+        the cut keeps (0, or 1 by the reference's float rounding)."""
+        if clone is None or clone.ref_codes is None:
+            return self.decode(codes, reference_chunked=reference_chunked)
+        ref_frames, per_frame = clone.ref_codes.shape[0], self.vocoder.cfg.samples_per_frame
+        total = ref_frames + codes.shape[0]
+        cut = icl_cut(ref_frames, total, total * per_frame)
+        if reference_chunked:
+            return self.decode(torch.cat((clone.ref_codes.to(codes.device), codes)), reference_chunked=True)[cut:]
+        primed = self._priming.get(clone.ref_codes)
+        kept = ref_frames * per_frame - cut  # reference samples left in front of the generated audio
+        audio = decode_from(self.vocoder, codes.to(self.device), copy_state(primed.state)).float().cpu().numpy()
+        return np.concatenate((primed.tail[len(primed.tail) - kept :], audio)).astype(np.float32, copy=False)
+
     # -- validation -------------------------------------------------------------------------
     def _conditioning(self, voice, language, instruct) -> Conditioning:
         t = self.cfg.talker
-        speaker = self._speaker(voice)
+        clone, speaker = (self._clone(voice), None) if self.model_type == "base" else (None, self._speaker(voice))
         lang = "auto" if language is None else language
         if not isinstance(lang, str) or lang.strip().lower() not in self.languages:
             raise ValueError(f"unknown language {language!r}; choose one of: {', '.join(self.languages)}")
@@ -226,15 +288,42 @@ class Engine:
         dialect = t.speaker_dialects.get(speaker) if speaker else None
         if dialect and lang in ("chinese", "auto"):
             language_id = t.language_ids[dialect]  # eric -> Sichuan, dylan -> Beijing dialect
-        return Conditioning(language_id, t.speaker_ids[speaker] if speaker else None, self._instruct(instruct))
+        speaker_id = t.speaker_ids[speaker] if speaker else None
+        return Conditioning(language_id, speaker_id, self._instruct(instruct), clone)
+
+    def _clone(self, voice) -> Clone:
+        """A Base checkpoint's `voice=`: a `Voice`, or the path of a saved one."""
+        if voice is None:
+            raise ValueError(
+                "this Base checkpoint clones voices: pass voice= a Voice from engine.create_voice(...) "
+                "or the path of a saved voice file"
+            )
+        if isinstance(voice, (str, os.PathLike)):
+            voice = Voice.load(voice)
+        elif not isinstance(voice, Voice):
+            raise ValueError(f"voice must be a Voice or the path of a voice file, got {type(voice).__name__}")
+        if voice.model != self.cloner.model:
+            raise ValueError(
+                f"this voice was made with {voice.model.describe()}, but this engine loaded "
+                f"{self.cloner.model.describe()}; create the voice again with this checkpoint"
+            )
+        if voice.ref_codes is None:
+            return Clone(voice.x_vector)
+        codes, q, size = voice.ref_codes, self.cfg.talker.num_code_groups, self.vocoder.cfg.codebook_size
+        if codes.shape[1] != q or int(codes.min()) < 0 or int(codes.max()) >= size:
+            raise ValueError(f"voice ref_codes must be (frames, {q}) codes in 0..{size - 1}")
+        return Clone(voice.x_vector, codes, tuple(self._ref_text_ids(voice.ref_text)))
+
+    def _ref_text_ids(self, ref_text: str) -> list[int]:
+        ids = self.tokenizer.text_ids(ref_text)
+        if not ids:
+            raise ValueError("ref_text produced no tokens")
+        return ids
 
     def _speaker(self, voice) -> str | None:
         kind = self.model_type
-        if kind == "base":
-            raise ValueError(
-                "this is a Base (voice-clone) checkpoint: it needs a reference voice, "
-                "and voice cloning is not available yet; use a CustomVoice or VoiceDesign checkpoint"
-            )
+        if isinstance(voice, (Voice, os.PathLike)):
+            raise ValueError(f"cloned voices need a Base checkpoint; this is a {kind} checkpoint")
         if kind == "voice_design":
             if voice is not None:
                 raise ValueError("VoiceDesign checkpoints have no preset voices: describe the voice with instruct=")
@@ -250,6 +339,8 @@ class Engine:
         if instruct is not None and not isinstance(instruct, str):
             raise ValueError(f"instruct must be a string, got {type(instruct).__name__}")
         given = bool(instruct and instruct.strip())
+        if given and self.model_type == "base":
+            raise ValueError("Base checkpoints take no instruct; the voice comes from voice=")
         if self.model_type == "voice_design" and not given:
             raise ValueError("VoiceDesign checkpoints need instruct=, a description of the voice")
         if given and self.model_type == "custom_voice" and self.cfg.tts_model_size == "0b6":
@@ -279,4 +370,4 @@ def _dtype(name: str, value: str) -> torch.dtype | str:
     return DTYPES[value]
 
 
-__all__ = ["Engine", "Speech", "Metrics", "SAMPLE_RATE"]
+__all__ = ["Engine", "Speech", "Metrics", "Voice", "SAMPLE_RATE"]

@@ -9,6 +9,13 @@ Layouts (`non_streaming_mode`):
   True  - all text tokens sit in the prefill, each over `codec_pad`; every decode step adds tts_pad.
   False - only the first text token sits in the prefill; the rest, then tts_eos, are added one per
           generated frame (the trailing text track), then tts_pad.
+
+Base (voice clone) checkpoints put the reference's x-vector where a preset speaker's codec row
+goes. In ICL mode the reference transcript and the target text form one text track, the
+reference's code frames one codec track (after codec_bos), laid side by side (`False`) or one after
+the other (`True`), and the talker continues the reference frames (spec §5.3 d). The reference
+package then decodes reference + generated frames together and cuts the reference part off at a
+float-rounded sample (`icl_cut`).
 """
 
 from __future__ import annotations
@@ -17,11 +24,21 @@ from dataclasses import dataclass
 
 import torch
 
+from .code_predictor import CodePredictor
 from .config import ModelConfig
 from .talker import Talker
 
 ROLE_IDS = 3  # <|im_start|> assistant \n
 CLOSING_IDS = 5  # <|im_end|> \n <|im_start|> assistant \n
+
+
+@dataclass(frozen=True)
+class Clone:
+    """A Base checkpoint's voice conditioning: the x-vector, plus the reference in ICL mode."""
+
+    x_vector: torch.Tensor  # (H,) speaker embedding, sits in the speaker's place
+    ref_codes: torch.Tensor | None = None  # (T, 16) int64 reference frames (ICL), None for x-vector only
+    ref_text_ids: tuple[int, ...] | None = None  # reference transcript tokens (ICL), no template ids
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,7 @@ class Conditioning:
     language_id: int | None  # codec row of the language (after the dialect rule), None for auto
     speaker_id: int | None  # codec row of a preset speaker, None for none
     instruct_ids: tuple[int, ...] | None  # full instruct template ids, None for none
+    clone: Clone | None = None  # Base checkpoints: x-vector (and ICL reference) instead of a speaker
 
 
 @dataclass
@@ -48,9 +66,15 @@ def _ids(values, device) -> torch.Tensor:
 
 @torch.inference_mode()
 def build_prompt(
-    talker: Talker, cfg: ModelConfig, text_ids: list[int], cond: Conditioning, non_streaming_mode: bool
+    talker: Talker,
+    cfg: ModelConfig,
+    text_ids: list[int],
+    cond: Conditioning,
+    non_streaming_mode: bool,
+    predictor: CodePredictor | None = None,
 ) -> Prompt:
-    """Lay out one request. `text_ids` is the full assistant template (role + text + closing ids)."""
+    """Lay out one request. `text_ids` is the full assistant template (role + text + closing ids).
+    ICL voices need the code predictor too (its embeddings of codebooks 1..15)."""
     t = cfg.talker
     device = talker.codec_embedding.weight.device
     ids = _ids(text_ids, device)
@@ -66,6 +90,9 @@ def build_prompt(
     if cond.speaker_id is not None:
         control.append(cond.speaker_id)
     codec = E_c(_ids(control + [t.codec_pad_id, t.codec_bos_id], device))  # (1, n, H)
+    if cond.clone is not None:  # the x-vector goes where a speaker row would
+        x_vector = cond.clone.x_vector.to(device=device, dtype=codec.dtype).view(1, 1, -1)
+        codec = torch.cat((codec[:, :-2], x_vector, codec[:, -2:]), dim=1)
     n = codec.shape[1]
 
     # Codec positions 0..n-2 over tts_pad (and tts_bos on the last); codec_bos is held back.
@@ -75,7 +102,10 @@ def build_prompt(
         parts.insert(0, talker.embed_text(_ids(cond.instruct_ids, device)))
 
     text = ids[:, ROLE_IDS:-CLOSING_IDS]  # (1, m)
-    if non_streaming_mode:
+    if cond.clone is not None and cond.clone.ref_codes is not None:
+        icl, trailing = _icl(talker, predictor, cfg, cond.clone, text, (eos, pad), non_streaming_mode)
+        parts.append(icl)
+    elif non_streaming_mode:
         text_track = torch.cat((talker.embed_text(text), eos), dim=1)
         parts.append(text_track + E_c(_ids([t.codec_pad_id] * (text.shape[1] + 1), device)))
         parts.append(pad + E_c(_ids([t.codec_bos_id], device)))
@@ -84,3 +114,39 @@ def build_prompt(
         parts.append(talker.embed_text(text[:, :1]) + codec[:, -1:])
         trailing = torch.cat((talker.embed_text(text[:, 1:]), eos), dim=1)
     return Prompt(embeds=torch.cat(parts, dim=1), trailing=trailing, pad=pad)
+
+
+def _icl(talker, predictor, cfg, clone: Clone, text, eos_pad, non_streaming_mode):
+    """ICL positions after the prefix, and the trailing text track (spec §5.3 d).
+
+    Text track: reference transcript + target text + tts_eos (T1 vectors); codec track: codec_bos,
+    then each reference frame's summed code embeddings (T2 vectors). `True` puts the text over
+    codec_pad, then the codec track over tts_pad; `False` adds the tracks position by position,
+    the longer text continuing as the trailing track, a shorter one padded with tts_pad.
+    """
+    if predictor is None:
+        raise ValueError("ICL prompts need the code predictor's embeddings")
+    eos, pad = eos_pad
+    t, device = cfg.talker, text.device
+    ref = _ids(clone.ref_text_ids, device)
+    text_track = torch.cat((talker.embed_text(torch.cat((ref, text), dim=1)), eos), dim=1)  # (1, T1, H)
+    codes = clone.ref_codes.to(device)  # (T, 16)
+    rows = [talker.codec_embedding(codes[:, :1])]
+    rows += [emb(codes[:, g + 1 : g + 2]) for g, emb in enumerate(predictor.codec_embedding)]
+    frames = torch.cat(rows, dim=1).sum(1)[None]  # (1, T, H)
+    codec_track = torch.cat((talker.codec_embedding(_ids([t.codec_bos_id], device)), frames), dim=1)  # (1, T2, H)
+    t1, t2 = text_track.shape[1], codec_track.shape[1]
+    if non_streaming_mode:
+        over_pad = text_track + talker.codec_embedding(_ids([t.codec_pad_id] * t1, device))
+        return torch.cat((over_pad, codec_track + pad), dim=1), pad
+    if t1 > t2:
+        return text_track[:, :t2] + codec_track, text_track[:, t2:]
+    return torch.cat((text_track, pad.expand(-1, t2 - t1, -1)), dim=1) + codec_track, pad
+
+
+def icl_cut(ref_frames: int, total_frames: int, samples: int) -> int:
+    """Samples the reference drops from the decode of reference + generated frames in ICL mode:
+    `int(ref_len / total_len * n_samples)` in double precision, exactly as qwen-tts computes it.
+    Float rounding makes it ref_frames * 1920 - 1 (keeping the reference's last sample) for about
+    4% of length pairs, ref_frames * 1920 otherwise."""
+    return int(ref_frames / max(total_frames, 1) * samples)

@@ -112,11 +112,13 @@ class SpeechStream:
         schedule: ChunkSchedule,
         seed: int,
         started: float,
+        state: VocoderState | None = None,
     ):
+        """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default."""
         self.metrics: Metrics | None = None
         self.codes: np.ndarray | None = None  # (frames, 16) int64 once complete
         self._vocoder, self._schedule, self._seed, self._started = vocoder, schedule, seed, started
-        self._state: VocoderState = vocoder.new_state()
+        self._state: VocoderState = vocoder.new_state() if state is None else state
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_FRAMES)
         self._stop = threading.Event()
         self._progress = _Progress()
