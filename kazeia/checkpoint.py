@@ -7,6 +7,8 @@ mis-shaped or unreadable tensor. Non-goal: knowing what the tensors mean (the mo
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -85,17 +87,63 @@ def _download(repo_id: str, offline: bool | None) -> Path:
         raise CheckpointError(f"{repo_id}: download failed ({e})") from None
 
 
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Memory-map every tensor of a safetensors file (no copy until a dtype/device change)."""
-    from safetensors import SafetensorError
+def load_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, floating ones in `dtype` (None: as stored).
+
+    When nothing needs converting the file is memory-mapped (no copy at all). Otherwise tensors are
+    read and converted one at a time, so the file's copy and the converted copy never coexist in
+    memory (the library only offers a memory map, which keeps every page read resident until the
+    last tensor is dropped: a bfloat16 file loaded as float32 would cost 1.5x the float32 size).
+    """
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     try:
-        return load_file(str(path), device="cpu")
+        with safe_open(str(path), framework="pt") as f:  # validates the header
+            stored = {f.get_slice(name).get_dtype() for name in f.keys()}
+        if dtype is None or stored <= {_SAFETENSORS_DTYPES[dtype], *_NOT_FLOATING}:
+            return load_file(str(path), device="cpu")
+        return _read_converting(path, dtype)
     except FileNotFoundError:
         raise CheckpointError(f"missing file: {path}") from None
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+_NOT_FLOATING = {"I64", "I32", "I16", "I8", "U8", "BOOL"}
+
+
+def _read_converting(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read the file sequentially (8-byte header length, JSON header, raw little-endian data)."""
+    out = {}
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = info["data_offsets"]
+            buffer = bytearray(end - begin)
+            f.seek(8 + header_len + begin)
+            if f.readinto(buffer) != len(buffer):
+                raise ValueError(f"tensor {name} is cut short")
+            source = _TORCH_DTYPES[info["dtype"]]
+            tensor = torch.frombuffer(buffer, dtype=source) if buffer else torch.empty(0, dtype=source)
+            tensor = tensor.reshape(info["shape"])
+            out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return out
 
 
 def assign(
@@ -109,9 +157,9 @@ def assign(
 ) -> None:
     """Load `tensors` (module names) into a module built on the meta device; strict.
 
-    Floating tensors are converted to `dtype` (if given); a missing, unexpected or mis-shaped tensor
-    raises a `CheckpointError` naming it (as `released_name` spells it) and `where` (the file).
-    Derived buffers are then rebuilt.
+    Floating tensors are converted to `dtype` (`None` keeps each tensor's own); a missing,
+    unexpected or mis-shaped tensor raises a `CheckpointError` naming it (as `released_name`
+    spells it) and `where` (the file). Derived buffers are then rebuilt.
     """
     expected = module.state_dict()
     missing = sorted(set(expected) - set(tensors))
@@ -127,15 +175,29 @@ def assign(
             raise CheckpointError(
                 f"{where}: tensor {released_name(name)} has shape {tuple(t.shape)}, expected {tuple(ref.shape)}"
             )
-        target = dtype if (dtype is not None and t.is_floating_point()) else ref.dtype
-        if not t.is_floating_point() and ref.is_floating_point():
-            target = ref.dtype if dtype is None else dtype
+        if t.is_floating_point():
+            target = t.dtype if dtype is None else dtype  # None: keep the file's precision (no copy)
+        else:
+            target = ref.dtype if (dtype is None or not ref.is_floating_point()) else dtype
         converted[name] = t.to(device=device, dtype=target)
     module.load_state_dict(converted, strict=True, assign=True)
+    module.requires_grad_(False)  # inference only: no autograd graph may ever hold activations
     for sub in module.modules():
         init = getattr(sub, "init_buffers", None)
         if init is not None:
             init(device)
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed while loading (conversion buffers, unfused weights) back to the OS.
+
+    glibc keeps freed blocks of its heap for reuse, so without this the process stays as large as
+    its load-time peak. Best effort: a no-op where glibc's malloc_trim does not exist.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _more(names: list[str]) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .audio import SAMPLE_RATE, load_reference_audio
-from .checkpoint import DTYPES, resolve
+from .checkpoint import DTYPES, release_freed_memory, resolve
 from .config import GenerationDefaults, ModelConfig
 from .generate import FrameStats, frames
 from .model import TTSModel
@@ -107,6 +107,7 @@ class Engine:
         tokenizer = TextTokenizer.from_dir(files.root, regex=tokenizer_regex)
         model = TTSModel.load(cfg, files["model.safetensors"], torch_device, weights)
         vocoder = Vocoder.load(files["speech_tokenizer"], device=torch_device, dtype=vocoder_weights)
+        release_freed_memory()
         cloner = Cloner.load(files.root, cfg, torch_device) if cfg.tts_model_type == "base" else None
         return cls(cfg, model, vocoder, tokenizer, defaults, torch_device, cloner)
 

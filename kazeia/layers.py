@@ -191,9 +191,10 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
 
 def fuse_projections(module: nn.Module) -> None:
     """Fuse the q/k/v and gate/up projections of every attention and MLP inside `module`."""
-    for sub in list(module.modules()):
-        if isinstance(sub, (Attention, SwiGLU)):
-            sub.fuse()
+    # Collect the parents only: a list holding the old Linear modules would keep every unfused
+    # weight alive until the end, doubling the projections' memory at the peak.
+    for sub in [m for m in module.modules() if isinstance(m, (Attention, SwiGLU))]:
+        sub.fuse()
 
 
 class Block(nn.Module):

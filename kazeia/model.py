@@ -49,8 +49,8 @@ class TTSModel(nn.Module):
             raise ValueError("dtype 'int8' runs on the CPU only; use bfloat16 or float16 on a GPU")
         with torch.device("meta"):
             model = cls(cfg)
-        tensors = rename(load_tensors(path), str(path))
-        # int8: keep the file's dtype (memory-mapped, no copy) until each weight is quantized.
+        # int8: keep the file's precision (memory-mapped, no copy) until each weight is quantized.
+        tensors = rename(load_tensors(path, None if int8 else dtype), str(path))
         assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
         del tensors
         fuse_projections(model)

@@ -50,6 +50,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
 
     @classmethod
+    @torch.no_grad()
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
         w = weight.detach().float()
         scales = _row_scales(w)
@@ -79,6 +80,7 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("scales", scales)
 
     @classmethod
+    @torch.no_grad()
     def from_float_chunked(cls, weight: torch.Tensor, rows: int = 16384) -> QuantEmbedding:
         """Quantize a large table in row blocks, so no float32 copy of the whole table exists."""
         out = cls.__new__(cls)

@@ -115,13 +115,26 @@ def test_missing_vocoder_tensor_is_named(checkpoint_copy):
         Engine.load(checkpoint_copy)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])  # memory-mapped / read and converted
 @pytest.mark.parametrize("name", ["model.safetensors", "speech_tokenizer/model.safetensors"])
-def test_truncated_safetensors(checkpoint_copy, name):
+def test_truncated_safetensors(checkpoint_copy, name, dtype):
     path = checkpoint_copy / name
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="not a readable safetensors file"):
-        Engine.load(checkpoint_copy)
+        Engine.load(checkpoint_copy, dtype=dtype)
+
+
+def test_converting_read_equals_memory_mapped_conversion(tiny_checkpoints):
+    from kazeia.checkpoint import load_tensors
+
+    path = tiny_checkpoints["1.7B-custom"] / "model.safetensors"
+    mapped = load_tensors(path)
+    converted = load_tensors(path, torch.bfloat16)
+    assert mapped.keys() == converted.keys()
+    for name, tensor in mapped.items():
+        assert converted[name].dtype == torch.bfloat16
+        assert torch.equal(converted[name], tensor.to(torch.bfloat16)), name
 
 
 def test_wrong_model_type(checkpoint_copy):
