@@ -28,6 +28,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
         help="talker and code-predictor weight precision (default: float32)",
     )
     p.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")
+    p.add_argument("--threads", type=int, help="CPU threads for torch's kernels (default: one per core)")
     p.add_argument(
         "--tokenizer-regex",
         default="qwen2",
@@ -150,6 +151,7 @@ def _load(args):
         dtype=args.dtype,
         tokenizer_regex=args.tokenizer_regex,
         offline=args.offline or None,
+        threads=args.threads,
     )
 
 

@@ -86,6 +86,7 @@ class Engine:
         vocoder_dtype: str = "float32",
         tokenizer_regex: str = "qwen2",
         offline: bool | None = None,
+        threads: int | None = None,
     ) -> Engine:
         """Load a local checkpoint directory or a hub id (downloaded once into the hub cache).
 
@@ -95,7 +96,13 @@ class Engine:
             half precision are far slower, see docs/design.md).
         tokenizer_regex: "qwen2" (standard) or "reference-local" (the split regex the reference
             package uses when it loads from a local directory; see kazeia/text.py).
+        threads: CPU threads for torch's kernels (process-wide: `torch.set_num_threads`). Default:
+            torch's choice, one per physical core, which is what batch-1 generation wants.
         """
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+            torch.set_num_threads(threads)
         torch_device = _device(device)
         weights, vocoder_weights = _dtype("dtype", dtype), _dtype("vocoder_dtype", vocoder_dtype)
         if vocoder_weights == "int8":
