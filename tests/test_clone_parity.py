@@ -133,3 +133,49 @@ def test_sampled_icl_parity_with_the_same_seed(reference, clone_engines, refs):
     speech = clone_engines["0.6B-base"].synthesize(TARGET, voice=voice, language="English", seed=5, **options)
     np.testing.assert_array_equal(speech.codes, ref_codes)
     assert np.max(np.abs(speech.audio - ref_wav)) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["0.6B", "1.7B"])
+def test_real_size_encoders_match_the_reference(refs, tmp_path, size):
+    """At the released dimensions: identical codes, x-vectors within 1e-4 (a few GB of RAM, ~1 min)."""
+    import json
+    import shutil
+
+    load_reference()  # registers stand-ins for the reference's unused audio deps before its imports
+    from qwen_tts.core.models.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
+    from qwen_tts.core.models.modeling_qwen3_tts import Qwen3TTSSpeakerEncoder, mel_spectrogram
+    from qwen_tts.inference.qwen3_tts_tokenizer import Qwen3TTSTokenizer
+    from safetensors.torch import save_file
+
+    from kazeia.config import SpeakerEncoderConfig
+    from kazeia.encoder import Encoder
+    from kazeia.speaker import SpeakerEncoder
+    from kazeia.testing import CHECKPOINTS, FILES, model_config
+    from kazeia.testing.clone import encoder_tensors, speaker_tensors
+
+    source = FILES / CHECKPOINTS[(size, "base")] / "speech_tokenizer"
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copyfile(source / name, tmp_path / name)
+    codec = encoder_tensors(json.loads((source / "config.json").read_text()), torch.Generator().manual_seed(1))
+    save_file(codec, tmp_path / "model.safetensors")
+    cfg = model_config(size, "base", tiny=False)
+    speaker = speaker_tensors(cfg, torch.Generator().manual_seed(2))
+    (tmp_path / "talker.json").write_text(json.dumps(cfg))
+    save_file(speaker, tmp_path / "speaker.safetensors")
+    ours_codec = Encoder.load(tmp_path)
+    ours_speaker = SpeakerEncoder.load(
+        SpeakerEncoderConfig.from_file(tmp_path / "talker.json"), tmp_path / "speaker.safetensors"
+    )
+    torch.manual_seed(0)
+    ref_codec = Qwen3TTSTokenizer.from_pretrained(str(tmp_path), dtype=torch.float32)
+    ref_speaker = Qwen3TTSSpeakerEncoder(Qwen3TTSSpeakerEncoderConfig(**cfg["speaker_encoder_config"])).eval()
+    ref_speaker.load_state_dict({k.removeprefix("speaker_encoder."): v for k, v in speaker.items()})
+    for key in ("long", "other"):
+        audio = torch.from_numpy(load_reference_audio(refs[key]))[None]
+        np.testing.assert_array_equal(
+            ours_codec(audio)[0].numpy(), ref_codec.encode(str(refs[key])).audio_codes[0].numpy()
+        )
+        with torch.inference_mode():
+            mel = mel_spectrogram(audio, 1024, 128, 24000, 256, 1024, 0, 12000).transpose(1, 2)
+            assert torch.max(torch.abs(ours_speaker(audio) - ref_speaker(mel))) <= 1e-4
