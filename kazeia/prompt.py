@@ -43,7 +43,8 @@ class Clone:
 
 @dataclass(frozen=True)
 class Conditioning:
-    """Resolved voice conditioning of one request (ids only; see `engine.py` for name lookup)."""
+    """Resolved voice conditioning of one request (ids and a clone voice's tensors; see `engine.py`
+    for name lookup)."""
 
     language_id: int | None  # codec row of the language (after the dialect rule), None for auto
     speaker_id: int | None  # codec row of a preset speaker, None for none

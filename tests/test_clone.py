@@ -65,8 +65,15 @@ def test_saved_voice_reloads_and_speaks_identically(engines, voices, tmp_path, m
         np.testing.assert_array_equal(speech.codes, original.codes)
 
 
-@pytest.mark.parametrize("name,mode,layout", [("0.6B-base", 0, False), ("1.7B-base", 0, True), ("0.6B-base", 1, False)])
-@pytest.mark.parametrize("first,rest", [(1, 4), (3, 2)])
+STREAM_CASES = [  # (checkpoint, 0: ICL / 1: x-vector voice, non_streaming_mode, first chunk, later chunks)
+    ("0.6B-base", 0, False, 1, 4),
+    ("0.6B-base", 0, False, 3, 2),
+    ("1.7B-base", 0, True, 2, 7),
+    ("0.6B-base", 1, False, 1, 4),
+]
+
+
+@pytest.mark.parametrize("name,mode,layout,first,rest", STREAM_CASES)
 def test_streaming_equals_offline(engines, voices, name, mode, layout, first, rest):
     """Streams continue the vocoder after the reference's frames and never emit reference samples."""
     engine, voice = engines[name], voices[name][mode]
