@@ -1,8 +1,8 @@
 """Build the talker and code predictor of a checkpoint and load `model.safetensors` into them.
 
 Modules are built on the meta device and receive the memory-mapped tensors through one rename table
-(released name prefix -> module name prefix); loading is strict. Speaker-encoder tensors (Base
-checkpoints) are recognised and left for the voice-clone path.
+(released name prefix -> module name prefix); loading is strict. Speaker-encoder tensors of Base
+checkpoints are left to kazeia/speaker.py (voice cloning); in any other checkpoint they are unexpected.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ RENAMES = (
     ("talker.model.", "talker."),
     ("talker.", "talker."),
 )
-SKIPPED_PREFIXES = ("speaker_encoder.",)  # Base checkpoints only; not used for synthesis from text
+SKIPPED_PREFIXES = ("speaker_encoder.",)  # Base checkpoints only: loaded by kazeia/speaker.py
 
 
 class TTSModel(nn.Module):
@@ -50,7 +50,8 @@ class TTSModel(nn.Module):
         with torch.device("meta"):
             model = cls(cfg)
         # int8: keep the file's precision (memory-mapped, no copy) until each weight is quantized.
-        tensors = rename(load_tensors(path, None if int8 else dtype), str(path))
+        base = cfg.tts_model_type == "base"
+        tensors = rename(load_tensors(path, None if int8 else dtype), str(path), skip_speaker_encoder=base)
         assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
         del tensors
         fuse_projections(model)
@@ -61,11 +62,14 @@ class TTSModel(nn.Module):
         return model.eval()
 
 
-def rename(tensors: Mapping[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
-    """Map released tensor names onto module names; an unknown name is an error naming it."""
+def rename(
+    tensors: Mapping[str, torch.Tensor], where: str, skip_speaker_encoder: bool = True
+) -> dict[str, torch.Tensor]:
+    """Map released tensor names onto module names; an unknown name is an error naming it.
+    Speaker-encoder tensors are skipped (Base checkpoints) or unknown (`skip_speaker_encoder=False`)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if name.startswith(SKIPPED_PREFIXES):
+        if skip_speaker_encoder and name.startswith(SKIPPED_PREFIXES):
             continue
         for released, ours in RENAMES:
             if name.startswith(released):

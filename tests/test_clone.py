@@ -169,6 +169,16 @@ def test_bad_clone_requests(engines, voices, ref_wav):
         Voice(torch.zeros(5), None, None, voice.model)
 
 
+def test_speaker_encoder_tensors_outside_a_base_checkpoint_are_unexpected(tiny_checkpoints, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["0.6B-custom"], root)
+    tensors = load_file(root / "model.safetensors")
+    tensors["speaker_encoder.fc.bias"] = torch.zeros(64)
+    save_file(tensors, root / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected tensor speaker_encoder.fc.bias"):
+        Engine.load(root)
+
+
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny", "real"])
 def test_generated_encoder_tensors_match_the_reference_module_tree(tiny):
     """`encoder.*` names and shapes written for Base checkpoints == the reference speech tokenizer's."""
