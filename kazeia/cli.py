@@ -7,6 +7,7 @@ and one line on stderr.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import os
 import sys
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     say = sub.add_parser("say", help="synthesize text to an audio file")
-    say.add_argument("text", help="the text to speak")
+    say.add_argument("text", help="the text to speak; - reads standard input (with --stream: as it arrives)")
     _model_args(say)
     say.add_argument(
         "--voice",
@@ -165,7 +166,7 @@ def _say(args) -> int:
     if args.stream:
         return _say_streaming(engine, args, sampling)
     speech = engine.synthesize(
-        args.text,
+        sys.stdin.read() if args.text == "-" else args.text,
         voice=args.voice,
         language=args.language,
         instruct=args.instruct,
@@ -183,12 +184,22 @@ def _say(args) -> int:
     return 0
 
 
+def _stdin_deltas():
+    """Standard input as text deltas, each as soon as it arrives (e.g. piped from an LLM CLI)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while data := os.read(sys.stdin.fileno(), 4096):
+        if text := decoder.decode(data):
+            yield text
+    if text := decoder.decode(b"", final=True):
+        yield text
+
+
 def _say_streaming(engine, args, sampling) -> int:
     from .audio import open_wav_writer, pcm16
 
     to_stdout = args.output == "-"
     stream = engine.stream(
-        args.text,
+        _stdin_deltas() if args.text == "-" else args.text,
         voice=args.voice,
         language=args.language,
         instruct=args.instruct,

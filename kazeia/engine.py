@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -28,6 +28,7 @@ from .audio import SAMPLE_RATE, load_reference_audio
 from .checkpoint import DTYPES, release_freed_memory, resolve
 from .config import GenerationDefaults, ModelConfig
 from .generate import FrameStats, frames
+from .live import LiveText, TextFeed, as_feed, live_trailing
 from .model import TTSModel
 from .prompt import Clone, Conditioning, build_prompt, icl_cut
 from .sampling import SamplingOptions
@@ -51,11 +52,12 @@ class Speech:
 class Request:
     """One validated synthesis request (what `frames()` needs besides the model)."""
 
-    text_ids: list[int]
+    text_ids: list[int]  # the assistant template's ids (empty while live text has not arrived)
     cond: Conditioning
     options: SamplingOptions
     non_streaming_mode: bool
     seed: int
+    live: LiveText | None = None  # text still arriving (engine.stream with a text source)
 
 
 class Engine:
@@ -201,7 +203,7 @@ class Engine:
 
     def stream(
         self,
-        text: str,
+        text: str | Iterable[str] | AsyncIterable[str] | TextFeed,
         voice: str | None = None,
         language: str | None = None,
         instruct: str | None = None,
@@ -209,6 +211,8 @@ class Engine:
         non_streaming_mode: bool | None = None,
         first_chunk_frames: int = 1,
         chunk_frames: int = 4,
+        text_timeout: float | None = 30.0,
+        should_stop: Callable[[], bool] | None = None,
         **sampling,
     ) -> SpeechStream:
         """Like `synthesize`, but yields `AudioChunk`s while generating.
@@ -217,15 +221,82 @@ class Engine:
         The schedule changes only latency and overhead: the codes equal `synthesize`'s for the same
         seed and the concatenated audio equals its audio (within float rounding, ~1e-6). Use it as an
         iterator, ideally in a `with` block; closing it stops generation before the next frame.
+
+        `text` may also be a source of text that is still arriving: an iterable or async iterable of
+        deltas, or a `TextFeed` (see kazeia/live.py). Speech then starts with the first complete word
+        (streaming text layout, `non_streaming_mode=False`, the default for such sources), and the
+        codes and audio equal those of the whole text given at once. A source idle for longer than
+        `text_timeout` seconds (None: no limit) fails the stream. `should_stop`: polled before each
+        frame; True ends the stream early (an alternative to `close()`).
         """
         started = time.perf_counter()
         schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
+        if not isinstance(text, str):
+            return self._live_stream(
+                text,
+                voice,
+                language,
+                instruct,
+                seed,
+                non_streaming_mode,
+                schedule,
+                text_timeout,
+                should_stop,
+                started,
+                sampling,
+            )
         request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
         clone, state = request.cond.clone, None
         if clone is not None and clone.ref_codes is not None:  # ICL: continue after the reference's audio
             state = copy_state(self._priming.get(clone.ref_codes).state)
         return SpeechStream(
-            lambda should_stop: self.frames(request, should_stop), self.vocoder, schedule, request.seed, started, state
+            lambda stop: self.frames(request, _either(stop, should_stop)),
+            self.vocoder,
+            schedule,
+            request.seed,
+            started,
+            state,
+        )
+
+    def _live_stream(
+        self,
+        source,
+        voice,
+        language,
+        instruct,
+        seed,
+        non_streaming_mode,
+        schedule,
+        text_timeout,
+        should_stop,
+        started,
+        sampling,
+    ) -> SpeechStream:
+        """`stream` for text that is still arriving: validate everything but the text now, then let
+        the generation worker wait for the first tokens."""
+        if text_timeout is not None and (
+            isinstance(text_timeout, bool) or not isinstance(text_timeout, (int, float)) or not text_timeout > 0
+        ):
+            raise ValueError(f"text_timeout must be a number of seconds > 0 or None, got {text_timeout!r}")
+        if isinstance(source, (bytes, bytearray)):
+            raise ValueError("text must be a string or a source of strings, not bytes")
+        if non_streaming_mode is None:
+            non_streaming_mode = False  # the layout that reads the text as it is generated
+        request = self.request("-", voice, language, instruct, seed, non_streaming_mode, **sampling)
+        live = LiveText(self.tokenizer, as_feed(source), text_timeout)
+        request = replace(request, text_ids=[], live=live)
+        state = None
+        clone = request.cond.clone
+        if clone is not None and clone.ref_codes is not None:
+            state = copy_state(self._priming.get(clone.ref_codes).state)
+        return SpeechStream(
+            lambda stop: self.frames(request, _either(stop, should_stop)),
+            self.vocoder,
+            schedule,
+            request.seed,
+            started,
+            state,
+            live,
         )
 
     def request(
@@ -250,6 +321,8 @@ class Engine:
 
     def frames(self, request: Request, should_stop=None, stats: FrameStats | None = None) -> Iterator[torch.Tensor]:
         """The frame generator for a validated request: yields (16,) int64 code frames."""
+        if request.live is not None:
+            return self._live_frames(request, should_stop, stats)
         m = self.model
         prompt = build_prompt(
             m.talker, self.cfg, request.text_ids, request.cond, request.non_streaming_mode, m.code_predictor
@@ -257,6 +330,30 @@ class Engine:
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
         eos = self.cfg.talker.codec_eos_id
         return frames(m.talker, m.code_predictor, prompt, request.options, eos, generator, should_stop, stats)
+
+    def _live_frames(self, request: Request, should_stop, stats) -> Iterator[torch.Tensor]:
+        """Frames for live text: wait for the first token (all of the text for the layouts that need
+        it whole: `non_streaming_mode=True` and ICL voices), then read one token per frame."""
+        live = request.live
+        live.should_stop = should_stop
+        whole = request.non_streaming_mode or (
+            request.cond.clone is not None and request.cond.clone.ref_codes is not None
+        )
+        if not live.start() or not live.need(1 << 62 if whole else 1):
+            return
+        if whole:
+            yield from self.frames(
+                replace(request, text_ids=self.tokenizer.wrap_assistant(live.ids), live=None), should_stop, stats
+            )
+            return
+        m = self.model
+        ids = self.tokenizer.wrap_assistant(live.ids[:1])
+        prompt = build_prompt(m.talker, self.cfg, ids, request.cond, False, m.code_predictor)
+        embed = lambda token: m.talker.embed_text(torch.tensor([[token]], device=self.device))  # noqa: E731
+        prompt.text_source = live_trailing(live, embed, prompt.eos, prompt.pad)
+        generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        eos = self.cfg.talker.codec_eos_id
+        yield from frames(m.talker, m.code_predictor, prompt, request.options, eos, generator, should_stop, stats)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
@@ -360,6 +457,12 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown option {unknown[0]!r}; valid options: {', '.join(SamplingOptions.names())}")
         return replace(self.defaults, **{k: v for k, v in sampling.items() if v is not None})
+
+
+def _either(a: Callable[[], bool] | None, b: Callable[[], bool] | None) -> Callable[[], bool] | None:
+    if a is None or b is None:
+        return a or b
+    return lambda: a() or b()
 
 
 def _device(device: str) -> torch.device:

@@ -138,7 +138,9 @@ def frames(
             stats.frames += 1
         yield codes[0]
         mark = clock()
-        text = prompt.trailing[:, step : step + 1] if step < prompt.trailing.shape[1] else prompt.pad
+        text = prompt.text_at(step)  # live text may wait here for the next token
+        if text is None:
+            return
         x = frame_embedding(talker, predictor, codes) + text
         cache.reserve(length + step + 1)
         hidden = talker(x, cache.layers, length + step)

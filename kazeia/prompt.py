@@ -20,6 +20,7 @@ float-rounded sample (`icl_cut`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,23 @@ class Prompt:
     embeds: torch.Tensor  # (1, L, H) prefill vectors
     trailing: torch.Tensor  # (1, M, H) text-track vectors added to decode steps 0..M-1
     pad: torch.Tensor  # (1, 1, H) tts_pad text vector, added once the trailing track is used up
+    eos: torch.Tensor | None = None  # (1, 1, H) tts_eos text vector
+    # Live text (kazeia/live.py): step -> text vector, waiting for text to arrive; None = stop.
+    text_source: Callable[[int], torch.Tensor | None] | None = None
+
+    def text_at(self, step: int) -> torch.Tensor | None:
+        """The text-track vector added to decode step `step` (None: stopped while waiting for text)."""
+        if self.text_source is not None:
+            return self.text_source(step)
+        return self.trailing[:, step : step + 1] if step < self.trailing.shape[1] else self.pad
+
+
+def embed_tokens(talker: Talker, ids: torch.Tensor) -> torch.Tensor:
+    """(1, m) text ids -> (1, m, H), one token at a time: live text can only embed tokens as they
+    arrive, and embedding the whole-text trailing track the same way makes both bit-identical."""
+    if ids.shape[1] == 0:
+        return talker.embed_text(ids)
+    return torch.cat([talker.embed_text(ids[:, i : i + 1]) for i in range(ids.shape[1])], dim=1)
 
 
 def _ids(values, device) -> torch.Tensor:
@@ -113,8 +131,8 @@ def build_prompt(
         trailing = pad
     else:
         parts.append(talker.embed_text(text[:, :1]) + codec[:, -1:])
-        trailing = torch.cat((talker.embed_text(text[:, 1:]), eos), dim=1)
-    return Prompt(embeds=torch.cat(parts, dim=1), trailing=trailing, pad=pad)
+        trailing = torch.cat((embed_tokens(talker, text[:, 1:]), eos), dim=1)
+    return Prompt(embeds=torch.cat(parts, dim=1), trailing=trailing, pad=pad, eos=eos)
 
 
 def _icl(talker, predictor, cfg, clone: Clone, text, eos_pad, non_streaming_mode):

@@ -48,6 +48,8 @@ class Metrics:
     ttfb_s: float  # seconds from the call to the first audio (offline: all audio comes at the end)
     chunks: int  # audio chunks delivered (offline: 1)
     seed: int  # the seed that drove sampling (replays the same result)
+    text_wait_frames: int = 0  # live text: decode steps that had to wait for more text
+    first_text_to_audio_s: float | None = None  # live text: first text delta -> first audio chunk
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,11 @@ class SpeechStream:
         seed: int,
         started: float,
         state: VocoderState | None = None,
+        live=None,
     ):
-        """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default."""
+        """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
+        `live`: the stream's `LiveText` when its text is still arriving (for the metrics)."""
+        self._live = live
         self.metrics: Metrics | None = None
         self.codes: np.ndarray | None = None  # (frames, 16) int64 once complete
         self._vocoder, self._schedule, self._seed, self._started = vocoder, schedule, seed, started
@@ -158,11 +163,19 @@ class SpeechStream:
             raise
 
     def _take(self, block: bool):
-        """The next queued item (a frame or _DONE); None when not blocking and nothing is there."""
-        try:
-            item = self._queue.get(block=block)
-        except queue.Empty:
-            return None
+        """The next queued item (a frame or _DONE); None when not blocking and nothing is there.
+
+        A blocking take polls the stop flag, so `close()` from another thread (a server whose client
+        left) also ends an iteration that is waiting for the next frame."""
+        while True:
+            try:
+                item = self._queue.get(timeout=0.05) if block else self._queue.get_nowait()
+                break
+            except queue.Empty:
+                if not block:
+                    return None
+                if self._stop.is_set():
+                    raise StopIteration from None
         if isinstance(item, BaseException):
             raise item
         return item
@@ -180,7 +193,8 @@ class SpeechStream:
         self._chunks += 1
         self._samples += len(samples)
         if self._ttfb is None:
-            self._ttfb = time.perf_counter() - self._started
+            self._first_audio_at = time.perf_counter()
+            self._ttfb = self._first_audio_at - self._started
         if is_last:
             self._finish()
         return chunk
@@ -191,11 +205,19 @@ class SpeechStream:
         prefill = (self._progress.first_frame_at or self._started) - self._started
         self.codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
         rtf = wall / audio_s if audio_s else float("inf")
-        self.metrics = Metrics(len(self._codes), audio_s, wall, rtf, prefill, self._ttfb, self._chunks, self._seed)
+        live = {}
+        if self._live is not None:
+            first_text = self._live.first_text_at
+            delay = None if first_text is None else self._first_audio_at - first_text
+            live = {"text_wait_frames": self._live.waits, "first_text_to_audio_s": delay}
+        self.metrics = Metrics(
+            len(self._codes), audio_s, wall, rtf, prefill, self._ttfb, self._chunks, self._seed, **live
+        )
         self.close()
 
     def close(self) -> None:
-        """Stop generation (before its next frame) and wait for the worker to end."""
+        """Stop generation (before its next frame) and wait for the worker to end. Safe from any
+        thread: an iteration blocked on the next chunk then ends (StopIteration)."""
         self._done = True
         self._stop.set()
         if self._worker is not threading.current_thread():

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Encoding, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from .config import CheckpointError, read_json
@@ -115,6 +115,11 @@ class TextTokenizer:
         """Token ids of `text`; added tokens such as "<|im_end|>" written in it are recognised."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encoding(self, text: str) -> Encoding:
+        """The library's encoding of `text`: ids plus `word_ids`, the pre-token each id comes from
+        (what live text input needs to tell finished words from a word still being typed)."""
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens included (for logs and debugging)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -125,7 +130,11 @@ class TextTokenizer:
 
     def assistant_ids(self, text: str) -> list[int]:
         """`<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n` (target text)."""
-        return [*self._assistant_prefix, *self.encode(text), *self._assistant_suffix]
+        return self.wrap_assistant(self.encode(text))
+
+    def wrap_assistant(self, text_ids: list[int]) -> list[int]:
+        """The target-text template around already tokenized text."""
+        return [*self._assistant_prefix, *text_ids, *self._assistant_suffix]
 
     def ref_ids(self, ref_text: str) -> list[int]:
         """`<|im_start|>assistant\\n{ref_text}<|im_end|>\\n` (voice-clone reference transcript)."""

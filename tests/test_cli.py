@@ -148,3 +148,39 @@ def test_stream_to_wav_and_to_stdout(tiny_checkpoints, tmp_path):
     assert np.max(np.abs(raw - audio)) < 2 / 32767
     offline = Engine.load(model).synthesize("Streaming now.", voice="ryan", seed=5, max_new_tokens=12).audio
     assert np.max(np.abs(audio - offline)) < 2 / 32767
+
+
+def test_stream_reads_standard_input_as_it_arrives(tiny_checkpoints, tmp_path):
+    """`kazeia say --stream -`: text piped in pieces; the result equals the same text given at once."""
+    model = str(tiny_checkpoints["0.6B-custom"])
+    out = tmp_path / "live.wav"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kazeia",
+        "say",
+        "-",
+        "--model",
+        model,
+        "--voice",
+        "ryan",
+        "--seed",
+        "9",
+        "--max-new-tokens",
+        "30",
+        "--stream",
+        "-o",
+        str(out),
+    ]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for piece in ["Tokens ", "arrive ", "one ", "by one."]:
+        proc.stdin.write(piece)
+        proc.stdin.flush()
+    proc.stdin.close()
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    audio, _ = sf.read(out, dtype="float32")
+    whole = Engine.load(model).stream(
+        "Tokens arrive one by one.", voice="ryan", seed=9, max_new_tokens=30, non_streaming_mode=False
+    )
+    expected = np.concatenate([c.audio for c in whole])
+    assert len(audio) == len(expected) and np.max(np.abs(audio - expected)) < 2 / 32767
