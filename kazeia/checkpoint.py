@@ -87,13 +87,14 @@ def _download(repo_id: str, offline: bool | None) -> Path:
         raise CheckpointError(f"{repo_id}: download failed ({e})") from None
 
 
-def load_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, dtype: torch.dtype | None = None, mmap: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, floating ones in `dtype` (None: as stored).
 
-    When nothing needs converting the file is memory-mapped (no copy at all). Otherwise tensors are
-    read and converted one at a time, so the file's copy and the converted copy never coexist in
-    memory (the library only offers a memory map, which keeps every page read resident until the
-    last tensor is dropped: a bfloat16 file loaded as float32 would cost 1.5x the float32 size).
+    When nothing needs converting and `mmap` allows it, the file is memory-mapped (no copy at all).
+    Otherwise tensors are read and converted one at a time, so the file's copy and the converted
+    copy never coexist in memory (the library only offers a memory map, which keeps every page read
+    resident until the last tensor is dropped: a bfloat16 file loaded as float32 would cost 1.5x the
+    float32 size). Callers that replace most tensors anyway (fusing, quantizing) pass mmap=False.
     """
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
@@ -101,7 +102,7 @@ def load_tensors(path: Path, dtype: torch.dtype | None = None) -> dict[str, torc
     try:
         with safe_open(str(path), framework="pt") as f:  # validates the header
             stored = {f.get_slice(name).get_dtype() for name in f.keys()}
-        if dtype is None or stored <= {_SAFETENSORS_DTYPES[dtype], *_NOT_FLOATING}:
+        if mmap and (dtype is None or stored <= {_SAFETENSORS_DTYPES[dtype], *_NOT_FLOATING}):
             return load_file(str(path), device="cpu")
         return _read_converting(path, dtype)
     except FileNotFoundError:
@@ -126,7 +127,7 @@ _TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 _NOT_FLOATING = {"I64", "I32", "I16", "I8", "U8", "BOOL"}
 
 
-def _read_converting(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_converting(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Read the file sequentially (8-byte header length, JSON header, raw little-endian data)."""
     out = {}
     with open(path, "rb") as f:
@@ -142,7 +143,7 @@ def _read_converting(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             source = _TORCH_DTYPES[info["dtype"]]
             tensor = torch.frombuffer(buffer, dtype=source) if buffer else torch.empty(0, dtype=source)
             tensor = tensor.reshape(info["shape"])
-            out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            out[name] = tensor.to(dtype) if tensor.is_floating_point() and dtype is not None else tensor
     return out
 
 

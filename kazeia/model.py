@@ -49,9 +49,13 @@ class TTSModel(nn.Module):
             raise ValueError("dtype 'int8' runs on the CPU only; use bfloat16 or float16 on a GPU")
         with torch.device("meta"):
             model = cls(cfg)
-        # int8: keep the file's precision (memory-mapped, no copy) until each weight is quantized.
+        # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep
+        # every page of the file resident next to the replacements until the last tensor is gone.
+        # int8 keeps the file's precision until each weight is quantized.
         base = cfg.tts_model_type == "base"
-        tensors = rename(load_tensors(path, None if int8 else dtype), str(path), skip_speaker_encoder=base)
+        raw = load_tensors(path, None if int8 else dtype, mmap=False)
+        tensors = rename(raw, str(path), skip_speaker_encoder=base)
+        del raw
         assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
         del tensors
         fuse_projections(model)
