@@ -231,21 +231,15 @@ class Engine:
         """
         started = time.perf_counter()
         schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
-        if not isinstance(text, str):
-            return self._live_stream(
-                text,
-                voice,
-                language,
-                instruct,
-                seed,
-                non_streaming_mode,
-                schedule,
-                text_timeout,
-                should_stop,
-                started,
-                sampling,
-            )
-        request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        if isinstance(text, str):
+            request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        else:  # text still arriving: validate everything else first; the worker waits for the text
+            timeout = _text_timeout(text_timeout)
+            if non_streaming_mode is None:
+                non_streaming_mode = False  # the layout that reads the text while it is generated
+            request = self.request("-", voice, language, instruct, seed, non_streaming_mode, **sampling)
+            live = LiveText(self.tokenizer, _text_source(text), timeout)  # starts draining the source
+            request = replace(request, text_ids=[], live=live)
         clone, state = request.cond.clone, None
         if clone is not None and clone.ref_codes is not None:  # ICL: continue after the reference's audio
             state = copy_state(self._priming.get(clone.ref_codes).state)
@@ -256,47 +250,7 @@ class Engine:
             request.seed,
             started,
             state,
-        )
-
-    def _live_stream(
-        self,
-        source,
-        voice,
-        language,
-        instruct,
-        seed,
-        non_streaming_mode,
-        schedule,
-        text_timeout,
-        should_stop,
-        started,
-        sampling,
-    ) -> SpeechStream:
-        """`stream` for text that is still arriving: validate everything but the text now, then let
-        the generation worker wait for the first tokens."""
-        if text_timeout is not None and (
-            isinstance(text_timeout, bool) or not isinstance(text_timeout, (int, float)) or not text_timeout > 0
-        ):
-            raise ValueError(f"text_timeout must be a number of seconds > 0 or None, got {text_timeout!r}")
-        if isinstance(source, (bytes, bytearray)):
-            raise ValueError("text must be a string or a source of strings, not bytes")
-        if non_streaming_mode is None:
-            non_streaming_mode = False  # the layout that reads the text as it is generated
-        request = self.request("-", voice, language, instruct, seed, non_streaming_mode, **sampling)
-        live = LiveText(self.tokenizer, as_feed(source), text_timeout)
-        request = replace(request, text_ids=[], live=live)
-        state = None
-        clone = request.cond.clone
-        if clone is not None and clone.ref_codes is not None:
-            state = copy_state(self._priming.get(clone.ref_codes).state)
-        return SpeechStream(
-            lambda stop: self.frames(request, _either(stop, should_stop)),
-            self.vocoder,
-            schedule,
-            request.seed,
-            started,
-            state,
-            live,
+            request.live,
         )
 
     def request(
@@ -457,6 +411,18 @@ class Engine:
         if unknown:
             raise ValueError(f"unknown option {unknown[0]!r}; valid options: {', '.join(SamplingOptions.names())}")
         return replace(self.defaults, **{k: v for k, v in sampling.items() if v is not None})
+
+
+def _text_source(source) -> TextFeed:
+    if isinstance(source, (bytes, bytearray)):
+        raise ValueError("text must be a string or a source of strings, not bytes")
+    return as_feed(source)
+
+
+def _text_timeout(value: float | None) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"text_timeout must be a number of seconds > 0 or None, got {value!r}")
+    return value
 
 
 def _either(a: Callable[[], bool] | None, b: Callable[[], bool] | None) -> Callable[[], bool] | None:
