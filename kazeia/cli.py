@@ -132,6 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first streamed chunk")
     srv.add_argument("--chunk-frames", type=int, default=4, help="frames in each later streamed chunk")
+    srv.add_argument(
+        "--voices-dir",
+        default="voices",
+        help="Base checkpoints: directory of the saved voices, created if missing (default: ./%(default)s)",
+    )
+    srv.add_argument(
+        "--text-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a live WebSocket text may pause before its utterance fails (default: %(default)s)",
+    )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     rnd = sub.add_parser("random-checkpoint", help="write a random-weight checkpoint (tests, demos, benchmarks)")
@@ -250,7 +261,15 @@ def _serve(args) -> int:
         os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     )
     limits = Limits(max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens)
-    config = ServerConfig(name, args.queue_size, args.first_chunk_frames, args.chunk_frames, limits)
+    config = ServerConfig(
+        name,
+        args.queue_size,
+        args.first_chunk_frames,
+        args.chunk_frames,
+        limits,
+        voices_dir=args.voices_dir,
+        text_timeout=args.text_timeout,
+    )
     serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -1,7 +1,6 @@
 """`kazeia serve` refusals that need no running server (the load test runs the real command)."""
 
 import sys
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +13,8 @@ def test_serve_refuses_bad_limits_before_loading(tmp_path, capsys):
     assert "queue_size must be an integer >= 1, got 0" in capsys.readouterr().err
     assert main(["serve", "--model", str(missing), "--max-new-tokens", "1"]) == 2
     assert "max_new_tokens must be >= 2" in capsys.readouterr().err
+    assert main(["serve", "--model", str(missing), "--text-timeout", "0"]) == 2
+    assert "text_timeout must be a number of seconds > 0, got 0.0" in capsys.readouterr().err
 
 
 def test_serve_without_the_extra_says_how_to_get_it(monkeypatch, tmp_path, capsys):
@@ -23,12 +24,15 @@ def test_serve_without_the_extra_says_how_to_get_it(monkeypatch, tmp_path, capsy
     assert "pip install 'kazeia[server]'" in err and err.startswith("kazeia: error:")
 
 
-def test_base_checkpoints_are_refused_with_a_reason():
+def test_a_voices_dir_that_cannot_be_made_stops_a_base_server(engines, tmp_path):
     pytest.importorskip("fastapi")
     from kazeia.server import ServerConfig, create_app
 
-    with pytest.raises(ValueError, match="Base .* saved voices"):
-        create_app(SimpleNamespace(model_type="base"), ServerConfig("base"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ValueError, match="voices directory"):
+        create_app(engines["0.6B-base"], ServerConfig("base", voices_dir=blocker / "voices"))
+    create_app(engines["0.6B-custom"], ServerConfig("custom", voices_dir=blocker / "voices"))  # never used there
 
 
 def test_server_config_checks_its_fields():
@@ -43,3 +47,9 @@ def test_server_config_checks_its_fields():
         Limits(max_input_chars=0)
     with pytest.raises(ValueError, match="max_temperature"):
         Limits(max_temperature=0)
+    with pytest.raises(ValueError, match="max_upload_bytes"):
+        Limits(max_upload_bytes=0)
+    with pytest.raises(ValueError, match="max_reference_s"):
+        Limits(max_reference_s=0)
+    with pytest.raises(ValueError, match="text_timeout"):
+        ServerConfig("m", text_timeout=float("nan"))

@@ -1,8 +1,10 @@
 """Kazeia's HTTP and WebSocket server (the `server` extra: FastAPI + uvicorn).
 
-Endpoints: `POST /v1/audio/speech` (OpenAI-compatible), `WS /v1/audio/speech/stream`,
-`GET /v1/audio/voices`, `GET /v1/models`, `GET /health`, `GET /metrics` and the demo page at `/`.
-See docs/server.md. One worker thread owns the engine; the event loop only parses and relays.
+Endpoints: `POST /v1/audio/speech` (OpenAI-compatible), `WS /v1/audio/speech/stream` (whole texts,
+or live text as it is written), `GET /v1/audio/voices`, `POST /v1/audio/voices` and
+`DELETE /v1/audio/voices/{name}` (saved voices of Base checkpoints), `GET /v1/models`,
+`GET /health`, `GET /metrics` and the demo page at `/`. See docs/server.md. One worker thread
+owns the engine; the event loop only parses and relays.
 """
 
 from __future__ import annotations

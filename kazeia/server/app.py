@@ -23,19 +23,21 @@ from .info import router as info_router
 from .metrics import ServerMetrics
 from .speech import router as speech_router
 from .state import ServerState, server_state
+from .voices import VoiceStore
+from .voices import router as voices_router
 from .websocket import router as websocket_router
 from .worker import Worker
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """The application for one loaded engine; its worker thread runs while the app is served."""
-    if engine.model_type == "base":
-        raise ValueError(
-            "serving a Base (voice-clone) checkpoint needs saved voices on the server, which it does not "
-            "offer yet; serve a CustomVoice or VoiceDesign checkpoint"
-        )
+    """The application for one loaded engine; its worker thread runs while the app is served.
+
+    A Base (voice-clone) checkpoint speaks with the voices saved in `config.voices_dir` (created if
+    missing; a ValueError if it cannot be); other checkpoints never touch that directory."""
+    voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
     metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
-    worker = Worker(engine, config.queue_size, ChunkSchedule(config.first_chunk_frames, config.chunk_frames), metrics)
+    schedule = ChunkSchedule(config.first_chunk_frames, config.chunk_frames)
+    worker = Worker(engine, config.queue_size, schedule, metrics, config.text_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,11 +48,11 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="Kazeia", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.kazeia = ServerState(engine, config, worker, metrics, available_formats())
+    app.state.kazeia = ServerState(engine, config, worker, metrics, available_formats(), voices)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    for router in (info_router, speech_router, websocket_router):
+    for router in (info_router, voices_router, speech_router, websocket_router):
         app.include_router(router)
     return app
 

@@ -38,7 +38,7 @@ class ApiError(Exception):
 
 # Engine message -> the request field it is about (first match wins).
 _PARAMS = (
-    (re.compile(r"^unknown voice\b|^voice\b|no preset voices|needs a reference voice"), "voice"),
+    (re.compile(r"^unknown voice\b|^voice\b|no preset voices|this voice was made|cloned voices need"), "voice"),
     (re.compile(r"^unknown language\b"), "language"),
     (re.compile(r"\binstruct\b"), "instructions"),
     (re.compile(r"^text\b"), "input"),

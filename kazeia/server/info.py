@@ -1,4 +1,4 @@
-"""What the server offers: the demo page, voices, models, health and Prometheus metrics."""
+"""What the server offers: the demo page, models, health and Prometheus metrics (voices: voices.py)."""
 
 from __future__ import annotations
 
@@ -52,19 +52,3 @@ async def models(request: Request) -> dict:
         "sample_rate": SAMPLE_RATE,
     }
     return {"object": "list", "data": [model]}
-
-
-@router.get("/v1/audio/voices")
-async def voices(request: Request) -> dict:
-    """The checkpoint's preset speakers, plus what a client needs to build a request."""
-    s = server_state(request)
-    engine = s.engine
-    instructions = engine.model_type == "voice_design" or engine.cfg.tts_model_size != "0b6"
-    return {
-        "object": "list",
-        "data": [{"id": v, "name": v, "object": "voice", "kind": "preset"} for v in engine.voices],
-        "model_type": engine.model_type,
-        "languages": engine.languages,
-        "formats": list(s.formats),
-        "supports_instructions": instructions,
-    }

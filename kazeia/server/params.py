@@ -4,19 +4,28 @@ The speech body takes OpenAI's fields (`model`, `input`, `voice`, `instructions`
 `speed`, `stream_format`) and Kazeia's extensions (`language`, `seed`, `non_streaming_mode` and every
 `SamplingOptions` field under its own name). A WebSocket session takes the same voice and
 extension fields. Unknown fields are refused, never ignored. The engine does the model-specific
-validation (voices, languages, option types); this module adds the server's `Limits`.
+validation (voices, languages, option types); this module adds the server's `Limits`, and on Base
+checkpoints turns a `voice` name into the saved voice of that name (never into a file path).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request as HttpRequest
 
 from ..engine import Engine, Request
+from ..live import TextFeed
 from ..sampling import SamplingOptions
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
 from .formats import UNSUPPORTED, AudioFormat
+from .worker import Synthesis
+
+if TYPE_CHECKING:
+    from .voices import VoiceStore
 
 ENGINE_FIELDS = ("language", "seed", "non_streaming_mode", *SamplingOptions.names())
 SESSION_FIELDS = ("voice", "instructions", *ENGINE_FIELDS)
@@ -35,9 +44,23 @@ CAPPED = {  # option -> the Limits field bounding it from above
 class SpeechRequest:
     """A validated `POST /v1/audio/speech`."""
 
-    request: Request  # what the worker generates
+    synthesis: Synthesis  # what the worker generates
     audio_format: AudioFormat  # how its audio is encoded
     stream_format: str  # "audio" (the encoded bytes) or "sse" (base64 events)
+
+
+async def read_body(request: HttpRequest, limit: int) -> bytes:
+    """The whole request body, refused with 413 as soon as it is known to be over `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def json_object(raw: bytes, what: str = "request body") -> dict:
@@ -51,7 +74,9 @@ def json_object(raw: bytes, what: str = "request body") -> dict:
     return body
 
 
-def speech_request(body: dict, engine: Engine, config: ServerConfig, formats: dict[str, AudioFormat]) -> SpeechRequest:
+def speech_request(
+    body: dict, engine: Engine, config: ServerConfig, formats: dict[str, AudioFormat], voices: VoiceStore | None
+) -> SpeechRequest:
     _refuse_unknown(body, SPEECH_FIELDS)
     model = body.get("model")
     if model is not None and model != config.model_name:
@@ -71,12 +96,13 @@ def speech_request(body: dict, engine: Engine, config: ServerConfig, formats: di
             f"unknown stream_format {stream_format!r}; choose one of: {', '.join(STREAM_FORMATS)}",
             param="stream_format",
         )
-    options = session_options(body, engine, config.limits, check=False)
-    return SpeechRequest(engine_request(engine, text, options), audio_format, stream_format)
+    options = session_options(body, engine, config.limits, voices, check=False)
+    return SpeechRequest(prepare(engine, text, options, voices), audio_format, stream_format)
 
 
-def session_options(body: dict, engine: Engine, limits: Limits, check: bool = True) -> dict:
-    """Voice and generation options (the keyword arguments of `Engine.request` but the text).
+def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceStore | None, check: bool = True) -> dict:
+    """Voice and generation options (the keyword arguments of `Engine.request` but the text); the
+    voice stays a name here (it is looked up when a text is accepted).
 
     `check=True` also has the engine validate them (voice, language, option values) on a
     placeholder text, so that a WebSocket session is refused when it is set, not at its first text.
@@ -89,8 +115,34 @@ def session_options(body: dict, engine: Engine, limits: Limits, check: bool = Tr
     _apply_limits(options, limits)
     options.setdefault("max_new_tokens", min(limits.max_new_tokens, engine.defaults.max_new_tokens))
     if check:
-        engine_request(engine, "Hello.", options)
+        prepare(engine, "Hello.", options, voices)
     return options
+
+
+def prepare(engine: Engine, text: str | TextFeed, options: dict, voices: VoiceStore | None) -> Synthesis:
+    """Validate a text (or a live text's options) and fix its seed: what the worker will speak.
+
+    A live text is checked on a placeholder: everything but the text is known now, and the engine
+    checks the text itself as it arrives (an empty one fails the utterance)."""
+    resolved = {**options, "voice": resolve_voice(engine, options.get("voice"), voices)}
+    request = engine_request(engine, text if isinstance(text, str) else "-", resolved)
+    tokens = len(request.text_ids) if isinstance(text, str) else 0
+    return Synthesis(text, {**resolved, "seed": request.seed}, tokens)
+
+
+def resolve_voice(engine: Engine, voice: str | None, voices: VoiceStore | None):
+    """The `voice=` the engine gets: a preset name as it is; on a Base checkpoint the saved `Voice`."""
+    if engine.model_type != "base" or voices is None:
+        return voice
+    if voice is None:
+        raise ApiError(
+            400,
+            "voice is required: this Base (voice-clone) checkpoint speaks with saved voices; name one "
+            f"({voices.describe()}) or create one with POST /v1/audio/voices",
+            param="voice",
+            code="missing_parameter",
+        )
+    return voices.get(voice)
 
 
 def engine_request(engine: Engine, text: str, options: dict) -> Request:

@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from .errors import ApiError
 from .metrics import ServerMetrics
-from .params import json_object, speech_request
+from .params import json_object, read_body, speech_request
 from .state import server_state
 from .worker import Busy, Job, Outcome
 
@@ -31,33 +31,20 @@ router = APIRouter()
 async def speech(request: Request) -> StreamingResponse:
     s = server_state(request)
     s.metrics.requests.inc(route=ROUTE)
-    body = json_object(await _read_body(request, s.config.limits.max_body_bytes))
-    parsed = speech_request(body, s.engine, s.config, s.formats)
+    body = json_object(await read_body(request, s.config.limits.max_body_bytes))
+    parsed = speech_request(body, s.engine, s.config, s.formats, s.voices)
     encoder = parsed.audio_format.make()
-    job = Job(parsed.request, encoder, asyncio.get_running_loop())
+    job = Job(parsed.synthesis, encoder, asyncio.get_running_loop())
     try:
         s.worker.submit(job)
     except Busy as busy:
         raise ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)}) from None
-    headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.request.seed)}
+    headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.synthesis.seed)}
     if parsed.stream_format == "sse":
-        events = _sse(job, encoder.header(), len(parsed.request.text_ids), s.metrics)
+        events = _sse(job, encoder.header(), parsed.synthesis.input_tokens, s.metrics)
         return _JobResponse(job, events, media_type="text/event-stream", headers=headers)
     audio = _audio(job, encoder.header(), s.metrics)
     return _JobResponse(job, audio, media_type=parsed.audio_format.media_type, headers=headers)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 class _JobResponse(StreamingResponse):

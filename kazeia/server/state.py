@@ -1,8 +1,9 @@
-"""What every handler reaches through `request.app.state.kazeia`: the engine and its worker."""
+"""What every handler reaches through `request.app.state.kazeia`: the engine, its worker, the voices."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.requests import HTTPConnection
 
@@ -12,6 +13,9 @@ from .formats import AudioFormat
 from .metrics import ServerMetrics
 from .worker import Worker
 
+if TYPE_CHECKING:
+    from .voices import VoiceStore
+
 
 @dataclass(frozen=True)
 class ServerState:
@@ -20,6 +24,7 @@ class ServerState:
     worker: Worker
     metrics: ServerMetrics
     formats: dict[str, AudioFormat]  # the response formats this libsndfile can encode
+    voices: VoiceStore | None  # Base checkpoints: the saved voices; None for the others
 
 
 def server_state(connection: HTTPConnection) -> ServerState:

@@ -3,56 +3,77 @@
 Client messages are JSON text frames with a `type`:
 
 * `session.update` `{"session": {voice, instructions, language, seed, sampling options...}}` sets
-  the options of the texts that follow (answered by `session.updated`);
-* `input_text` `{"text": ...}` is one complete utterance; texts queue up and are spoken in order;
+  the options of the utterances that follow (answered by `session.updated`);
+* `input_text` `{"text": ...}` is one complete utterance;
+* `input_text.append` `{"text": delta}` adds text to the *open* utterance, opening one if there is
+  none: an utterance whose text is still being written (an LLM's reply), spoken as it arrives;
+* `input_text.end` closes the open utterance: its text is complete;
 * `cancel` stops the utterance being spoken (before its next frame) and drops the queued ones.
 
-The server answers each `input_text` with `audio.start`, binary frames of 16-bit little-endian PCM
-(24 kHz mono) as the audio is produced, then `audio.done` (status, metrics) — or with one `error`.
-Errors that concern no utterance (bad JSON, unknown type, bad session) leave the session as it was
-and the socket open. The names `input_text.append` / `input_text.end` are reserved for text that
-arrives piece by piece (an utterance spoken while its text is still being written).
+Utterances, whole or live, queue up in the order they were accepted and are spoken one after the
+other. The server answers each with `audio.start`, binary frames of 16-bit little-endian PCM
+(24 kHz mono) as the audio is produced, then `audio.done` (status, metrics) — or with one `error`
+that carries its number. Errors that concern no utterance (bad JSON, unknown type, bad session,
+`input_text.end` with nothing open) leave the session as it was and the socket open.
+
+A live utterance stays open until `input_text.end`, even once its audio has ended (cancelled,
+failed, or finished early): the rest of its text is then dropped without an answer, so the deltas
+of one reply can never start another utterance behind the client's back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..audio import SAMPLE_RATE
-from ..engine import Request
+from ..live import TextFeed
 from .errors import ApiError
 from .formats import Encoder
-from .params import engine_request, json_object, session_options
+from .params import json_object, prepare, session_options
 from .state import ServerState, server_state
-from .worker import Busy, Job, Outcome
+from .worker import Busy, Job, Outcome, Synthesis
 
 ROUTE = "/v1/audio/speech/stream"
 router = APIRouter()
-MESSAGE_TYPES = ("session.update", "input_text", "cancel")
-RESERVED_TYPES = ("input_text.append", "input_text.end")
+FIELDS = {  # message type -> its fields besides `type`
+    "session.update": ("session",),
+    "input_text": ("text",),
+    "input_text.append": ("text",),
+    "input_text.end": (),
+    "cancel": (),
+}
+MESSAGE_TYPES = tuple(FIELDS)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Utterance:
     number: int  # 1, 2, ... in the order the texts were accepted on this socket
-    request: Request
-    accepted: float  # perf_counter() when its text was accepted (TTFB counts from here)
+    synthesis: Synthesis
+    accepted: float  # perf_counter() when its text (live: its first delta) was accepted; TTFB counts from here
+    feed: TextFeed | None = None  # live text: where its deltas go
+    chars: int = 0  # live text: characters received so far
+    over: bool = False  # its audio has ended or is ending (done, cancelled, failed): its text is dropped
+    reported: bool = False  # its closing event (audio.done or error) has been sent
+    job: Job | None = None  # once submitted to the worker
 
 
 class _Session:
-    """One socket: its options, its queued utterances and the one being spoken."""
+    """One socket: its options, its queued utterances, the one being spoken, the one taking text."""
 
     def __init__(self, socket: WebSocket, state: ServerState):
         self.socket, self.engine, self.config = socket, state.engine, state.config
-        self.worker, self.metrics = state.worker, state.metrics
-        self.options = session_options({}, self.engine, self.config.limits, check=False)
-        self.pending: asyncio.Queue[Utterance] = asyncio.Queue()
-        self.current: Job | None = None
+        self.worker, self.metrics, self.voices = state.worker, state.metrics, state.voices
+        self.options = session_options({}, self.engine, self.config.limits, self.voices, check=False)
+        self.pending: deque[Utterance] = deque()  # accepted, not yet submitted to the worker
+        self._wake = asyncio.Event()  # set when `pending` gains an utterance
+        self.current: Utterance | None = None  # being spoken (submitted to the worker)
+        self.open: Utterance | None = None  # the live utterance taking `input_text.append`
         self.accepted = 0
         self._send_lock = asyncio.Lock()
 
@@ -77,8 +98,6 @@ class _Session:
             raise ApiError(413, f"the message is over the limit of {limit} bytes", code="body_too_large")
         body = json_object(raw.encode(), "message")
         kind = body.get("type")
-        if kind in RESERVED_TYPES:
-            raise ApiError(400, f"{kind!r} is not supported yet; send whole texts with 'input_text'", param="type")
         if kind not in MESSAGE_TYPES:
             raise ApiError(
                 400,
@@ -86,74 +105,156 @@ class _Session:
                 param="type",
                 code="unknown_message_type",
             )
-        _check_fields(body, {"session.update": ("session",), "input_text": ("text",), "cancel": ()}[kind])
+        _check_fields(body, FIELDS[kind])
         if kind == "session.update":
             await self.update(body.get("session"))
         elif kind == "input_text":
-            await self.accept_text(body.get("text"))
+            self.accept_text(body.get("text"))
+        elif kind == "input_text.append":
+            await self.append(body.get("text"))
+        elif kind == "input_text.end":
+            self.end()
         else:
             await self.cancel()
 
     async def update(self, session) -> None:
         if not isinstance(session, dict):
             raise ApiError(400, "session must be a JSON object of options", param="session")
-        self.options = session_options(session, self.engine, self.config.limits)
+        self.options = session_options(session, self.engine, self.config.limits, self.voices)
         shown = {("instructions" if k == "instruct" else k): v for k, v in self.options.items() if v is not None}
         await self.send({"type": "session.updated", "session": shown})
 
-    async def accept_text(self, text) -> None:
-        self.metrics.requests.inc(route=ROUTE)
-        limit = self.config.limits.max_input_chars
-        if not isinstance(text, str):
+    def accept_text(self, text) -> None:
+        """`input_text`: one whole utterance."""
+        self._check_text(text, len(text) if isinstance(text, str) else 0)
+        self._admit()
+        self._enqueue(prepare(self.engine, text, self.options, self.voices))
+
+    async def append(self, text) -> None:
+        """`input_text.append`: more text for the open utterance, or the first text of a new one."""
+        utterance = self.open
+        if utterance is None:
+            self._check_text(text, len(text) if isinstance(text, str) else 0)
+            self._admit()
+            feed = TextFeed()
+            utterance = self._enqueue(prepare(self.engine, feed, self.options, self.voices), feed)
+            self.open = utterance
+        elif not isinstance(text, str):
             raise ApiError(400, "text must be a string", param="text")
-        if len(text) > limit:
+        elif utterance.over:
+            return  # its audio has ended: the rest of its text is dropped (see the module docstring)
+        elif utterance.chars + len(text) > self.config.limits.max_input_chars:
+            limit = self.config.limits.max_input_chars
+            message = (
+                f"the text of utterance {utterance.number} would be {utterance.chars + len(text)} characters "
+                f"long; this server accepts at most {limit}"
+            )
+            await self.fail(utterance, ApiError(400, message, param="text", code="string_above_max_length"))
+            return
+        utterance.chars += len(text)
+        utterance.feed.append(text)
+
+    def end(self) -> None:
+        """`input_text.end`: the open utterance's text is complete."""
+        utterance = self.open
+        if utterance is None:
             raise ApiError(
                 400,
-                f"text is {len(text)} characters long; this server accepts at most {limit}",
+                "input_text.end without an open utterance: send input_text.append first",
+                param="type",
+                code="no_open_utterance",
+            )
+        self.open = None
+        utterance.feed.end()
+
+    async def cancel(self) -> None:
+        while self.pending:
+            utterance = self.pending.popleft()
+            utterance.over = utterance.reported = True
+            await self.send(_done(utterance.number, "cancelled", None))
+        current = self.current
+        if current is not None and current.job is not None:
+            current.over = True
+            current.job.cancel()  # its audio.done (cancelled) comes from speak()
+
+    async def fail(self, utterance: Utterance, error: ApiError) -> None:
+        """End an accepted utterance with `error` (its one closing event), wherever it is."""
+        if utterance.reported:
+            return
+        utterance.over = utterance.reported = True
+        if utterance in self.pending:
+            self.pending.remove(utterance)
+        elif utterance.job is not None:
+            utterance.job.cancel()  # speak() drops the rest of its audio and its outcome
+        await self.error(error, utterance.number)
+
+    def _check_text(self, text, length: int) -> None:
+        if not isinstance(text, str):
+            raise ApiError(400, "text must be a string", param="text")
+        limit = self.config.limits.max_input_chars
+        if length > limit:
+            raise ApiError(
+                400,
+                f"text is {length} characters long; this server accepts at most {limit}",
                 param="text",
                 code="string_above_max_length",
             )
-        if self.pending.qsize() >= self.config.limits.max_pending_utterances:
+
+    def _admit(self) -> None:
+        self.metrics.requests.inc(route=ROUTE)
+        if len(self.pending) >= self.config.limits.max_pending_utterances:
             raise ApiError(
                 429,
-                f"{self.pending.qsize()} texts are already waiting on this socket; wait for audio.done",
+                f"{len(self.pending)} texts are already waiting on this socket; wait for audio.done",
                 code="too_many_pending",
             )
-        request = engine_request(self.engine, text, self.options)
-        self.accepted += 1
-        self.pending.put_nowait(Utterance(self.accepted, request, time.perf_counter()))
 
-    async def cancel(self) -> None:
-        while not self.pending.empty():
-            utterance = self.pending.get_nowait()
-            await self.send(_done(utterance.number, "cancelled", None))
-        if self.current is not None:
-            self.current.cancel()
+    def _enqueue(self, synthesis: Synthesis, feed: TextFeed | None = None) -> Utterance:
+        self.accepted += 1
+        utterance = Utterance(self.accepted, synthesis, time.perf_counter(), feed)
+        self.pending.append(utterance)
+        self._wake.set()
+        return utterance
 
     # -- speaking ------------------------------------------------------------------------------
     async def speak(self) -> None:
         """Speak the queued utterances one after the other until the socket closes."""
         while True:
-            utterance = await self.pending.get()
-            job = Job(utterance.request, Encoder(), asyncio.get_running_loop(), utterance.accepted)
+            while not self.pending:
+                self._wake.clear()
+                await self._wake.wait()
+            utterance = self.pending.popleft()
+            job = Job(utterance.synthesis, Encoder(), asyncio.get_running_loop(), utterance.accepted)
             try:
                 self.worker.submit(job)
             except Busy as busy:
-                error = ApiError(503, str(busy), code="queue_full")
-                await self.error(error, utterance.number)
+                await self.fail(utterance, ApiError(503, str(busy), code="queue_full"))
                 continue
-            self.current = job
-            start = {"type": "audio.start", "utterance": utterance.number, "sample_rate": SAMPLE_RATE}
-            await self.send({**start, "channels": 1, "format": "pcm_s16le", "seed": utterance.request.seed})
+            utterance.job, self.current = job, utterance
+            number = utterance.number
+            start = {"type": "audio.start", "utterance": number, "sample_rate": SAMPLE_RATE}
+            await self.send({**start, "channels": 1, "format": "pcm_s16le", "seed": utterance.synthesis.seed})
             async for item in job.outcomes():
+                if utterance.reported:  # failed by the session (fail()): its error is out
+                    continue
                 if isinstance(item, bytes):
                     await self.send(item)
-                elif item.status == "failed":
-                    error = ApiError(500, f"generation failed: {item.error}", code="internal_error")
-                    await self.error(error, utterance.number)
+                    continue
+                utterance.over = utterance.reported = True
+                if item.status == "failed":
+                    await self.error(_failure(item), number)
                 else:
-                    await self.send(_done(utterance.number, item.status, item))
+                    await self.send(_done(number, item.status, item))
             self.current = None
+
+
+def _failure(outcome: Outcome) -> ApiError:
+    if outcome.error_code == "text_timeout":
+        return ApiError(408, outcome.error, param="text", code="text_timeout")
+    if outcome.error_code == "invalid_text":
+        message = "input " + outcome.error[len("text ") :] if outcome.error.startswith("text ") else outcome.error
+        return ApiError(400, message, param="text")
+    return ApiError(500, f"generation failed: {outcome.error}", code="internal_error")
 
 
 def _check_fields(body: dict, allowed: tuple[str, ...]) -> None:
@@ -171,6 +272,8 @@ def _done(number: int, status: str, outcome: Outcome | None) -> dict:
         if outcome.metrics is not None:
             m = outcome.metrics
             metrics.update(frames=m.frames, wall_s=m.wall_s, rtf=m.rtf, prefill_s=m.prefill_s, seed=m.seed)
+            if m.first_text_to_audio_s is not None:  # live text
+                metrics.update(text_wait_frames=m.text_wait_frames, first_text_to_audio_s=m.first_text_to_audio_s)
     return {"type": "audio.done", "utterance": number, "status": status, "metrics": metrics}
 
 
@@ -191,7 +294,8 @@ async def speech_socket(socket: WebSocket) -> None:
     except WebSocketDisconnect:
         pass
     finally:
-        if session.current is not None:
-            session.current.cancel()
+        current = session.current
+        if current is not None and current.job is not None:
+            current.job.cancel()
         speaker.cancel()
         await asyncio.gather(speaker, return_exceptions=True)  # a send to a closed socket may have failed

@@ -1,14 +1,15 @@
 """The worker: one thread owns the engine and speaks one utterance at a time, FIFO.
 
 Requests become `Job`s on a bounded queue; a full queue is refused at once (`Busy`, a 503 with
-Retry-After) rather than letting waits grow without bound. The worker drives a `SpeechStream` for each
-job, encodes each chunk and hands the bytes to the job's asyncio queue with
-`loop.call_soon_threadsafe`, so the event loop never waits on the engine. A job ends with exactly
-one `Outcome` on that queue.
+Retry-After) rather than letting waits grow without bound. The worker runs `Engine.stream` for each
+job (a whole text, or a `TextFeed` whose text is still arriving), encodes each chunk and hands the
+bytes to the job's asyncio queue with `loop.call_soon_threadsafe`, so the event loop never waits on
+the engine. A job ends with exactly one `Outcome` on that queue.
 
-Cancelling a job (client gone, WebSocket `cancel`, shutdown) sets an event that the frame generator
-checks before each frame (its `should_stop`), so generation stops within one frame, from any thread,
-without blocking the caller; a job cancelled while still queued is skipped.
+Cancelling a job (client gone, WebSocket `cancel`, shutdown) sets an event that the stream polls
+through its `should_stop` before each frame and while it waits for live text, so generation stops
+within one frame, from any thread, without blocking the caller; a job cancelled while still queued
+is skipped.
 """
 
 from __future__ import annotations
@@ -25,13 +26,27 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ..audio import SAMPLE_RATE
-from ..engine import Engine, Request
+from ..engine import Engine
+from ..live import TextFeed, TextTimeout
 from ..streaming import ChunkSchedule, Metrics, SpeechStream
 from .formats import Encoder
 from .metrics import ServerMetrics
 
 log = logging.getLogger("kazeia.server")
 _ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    """What a job says and how: `Engine.stream`'s text and keyword arguments, already validated."""
+
+    text: str | TextFeed  # a whole text, or live text still arriving
+    options: dict  # voice (a preset name or a Voice), language, instruct, seed (always set), sampling...
+    input_tokens: int  # text tokens of the prompt (0 for live text: not known in advance)
+
+    @property
+    def seed(self) -> int:
+        return self.options["seed"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,9 @@ class Outcome:
     ttfb_s: float | None  # seconds from arrival to the first audio, queue wait included
     metrics: Metrics | None  # the engine's figures (completed utterances only)
     error: str | None = None  # why it failed
+    # what kind of failure: "text_timeout" (live text stopped arriving), "invalid_text" (live text
+    # the engine refused, e.g. empty), None (an internal error)
+    error_code: str | None = None
 
 
 @dataclass(frozen=True)
@@ -65,13 +83,13 @@ class Busy(Exception):
 
 
 class Job:
-    """One utterance: a validated engine request, its encoder, and the queue its bytes go to."""
+    """One utterance: what to say, its encoder, and the queue its bytes go to."""
 
     def __init__(
-        self, request: Request, encoder: Encoder, loop: asyncio.AbstractEventLoop, arrived: float | None = None
+        self, synthesis: Synthesis, encoder: Encoder, loop: asyncio.AbstractEventLoop, arrived: float | None = None
     ):
         self.id = next(_ids)
-        self.request, self.encoder, self.loop = request, encoder, loop
+        self.synthesis, self.encoder, self.loop = synthesis, encoder, loop
         self.events: asyncio.Queue = asyncio.Queue()  # bytes ..., then one Outcome
         self.arrived = time.perf_counter() if arrived is None else arrived  # perf_counter() of the request
         self.frames_at_cancel: int | None = None
@@ -115,8 +133,16 @@ class Job:
 class Worker:
     """The thread that owns the engine; `submit` is called on the event loop."""
 
-    def __init__(self, engine: Engine, queue_size: int, schedule: ChunkSchedule, metrics: ServerMetrics):
+    def __init__(
+        self,
+        engine: Engine,
+        queue_size: int,
+        schedule: ChunkSchedule,
+        metrics: ServerMetrics,
+        text_timeout: float = 10.0,
+    ):
         self.engine, self.schedule, self.metrics = engine, schedule, metrics
+        self.text_timeout = text_timeout  # live text: seconds without a delta before the job fails
         self.records: deque[JobRecord] = deque(maxlen=256)
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._current: Job | None = None
@@ -187,19 +213,18 @@ class Worker:
         if job.cancelled:
             self._end(job, Outcome("cancelled", 0, queue_s, None, None), frames=0)
             return
-        # Engine.stream() minus its own request building, plus the job's cancellation in the frame
-        # loop's should_stop: Engine.stream offers no stop hook that another thread may trigger
-        # (SpeechStream.close() must come from the thread that iterates it).
-        stream = SpeechStream(
-            lambda stop: self.engine.frames(job.request, lambda: stop() or job.cancelled),
-            self.engine.vocoder,
-            self.schedule,
-            job.request.seed,
-            started,
-        )
-        job.stream = stream
+        stream: SpeechStream | None = None
         samples, ttfb = 0, None
         try:
+            stream = self.engine.stream(
+                job.synthesis.text,
+                first_chunk_frames=self.schedule.first,
+                chunk_frames=self.schedule.rest,
+                text_timeout=self.text_timeout,
+                should_stop=lambda: job.cancelled,
+                **job.synthesis.options,
+            )
+            job.stream = stream
             with stream:
                 for chunk in stream:
                     if job.cancelled:
@@ -219,9 +244,14 @@ class Worker:
                     job.put(tail)
                 outcome = Outcome("completed", samples, queue_s, ttfb, stream.metrics)
         except Exception as error:  # reported to this client; the server keeps serving
-            log.exception("utterance %d failed", job.id)
-            outcome = Outcome("failed", samples, queue_s, ttfb, None, f"{type(error).__name__}: {error}")
-        self._end(job, outcome, frames=stream.frames_generated)
+            code = _error_code(error, live=not isinstance(job.synthesis.text, str))
+            if code is None:
+                log.exception("utterance %d failed", job.id)
+            else:
+                log.info("utterance %d refused: %s", job.id, error)
+            message = str(error) if code is not None else f"{type(error).__name__}: {error}"
+            outcome = Outcome("failed", samples, queue_s, ttfb, None, message, code)
+        self._end(job, outcome, frames=0 if stream is None else stream.frames_generated)
 
     def _end(self, job: Job, outcome: Outcome, frames: int) -> None:
         with self._lock:
@@ -244,3 +274,13 @@ class Worker:
             wall,
         )
         job.put(outcome)
+
+
+def _error_code(error: Exception, live: bool) -> str | None:
+    """Live text can fail on the client's account: it stopped arriving, or the engine refused it
+    (e.g. only whitespace). Everything else is an internal error."""
+    if isinstance(error, TextTimeout):
+        return "text_timeout"
+    if live and isinstance(error, ValueError):
+        return "invalid_text"
+    return None
