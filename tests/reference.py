@@ -38,3 +38,21 @@ def load_reference():
     except ImportError as e:  # pragma: no cover - depends on the test environment
         pytest.skip(f"reference package qwen-tts not importable: {e}")
     return qwen_tts
+
+
+def run_reference(ref, method: str, options: dict, **kwargs):
+    """Call a reference `generate_*` method; return the codes it decoded (frames, 16) and its audio."""
+    captured, inner = [], ref.model.generate
+
+    def spy(*args, **kw):
+        out = inner(*args, **kw)
+        captured.append(out[0][0])
+        return out
+
+    ref.model.generate = spy
+    try:
+        wavs, sr = getattr(ref, method)(**kwargs, **options)
+    finally:
+        ref.model.generate = inner
+    assert sr == 24000
+    return captured[0].cpu().numpy(), wavs[0]

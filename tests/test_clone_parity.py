@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from clone_support import espeak, frames_at_24k
-from reference import load_reference
+from reference import load_reference, run_reference
 
 from kazeia import Engine
 from kazeia.audio import load_reference_audio
@@ -67,20 +67,7 @@ def test_encoder_codes_and_x_vectors_match_the_reference(reference, clone_engine
 
 
 def _run_reference(ref, options, **kwargs):
-    captured, inner = [], ref.model.generate
-
-    def spy(*args, **kw):
-        out = inner(*args, **kw)
-        captured.append(out[0][0])
-        return out
-
-    ref.model.generate = spy
-    try:
-        wavs, sr = ref.generate_voice_clone(**kwargs, **options)
-    finally:
-        ref.model.generate = inner
-    assert sr == 24000
-    return captured[0].cpu().numpy(), wavs[0]
+    return run_reference(ref, "generate_voice_clone", options, **kwargs)
 
 
 # (checkpoint, reference audio, ICL?, non_streaming_mode, target text, language, max_new_tokens)

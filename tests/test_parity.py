@@ -9,7 +9,7 @@ with tokenizer_regex="reference-local" (texts here tokenize identically under bo
 import numpy as np
 import pytest
 import torch
-from reference import load_reference
+from reference import load_reference, run_reference
 
 from kazeia import Engine
 
@@ -31,24 +31,6 @@ def reference_models(tiny_checkpoints):
 def parity_engines(tiny_checkpoints):
     return {name: Engine.load(path, tokenizer_regex="reference-local") for name, path in tiny_checkpoints.items()}
 
-
-def run_reference(ref, method: str, options: dict, **kwargs):
-    """Call a reference generate_* method, capturing the codes it decodes."""
-    captured = []
-    inner = ref.model.generate
-
-    def spy(*args, **kw):
-        out = inner(*args, **kw)
-        captured.append(out[0][0])
-        return out
-
-    ref.model.generate = spy
-    try:
-        wavs, sr = getattr(ref, method)(**kwargs, **options)
-    finally:
-        ref.model.generate = inner
-    assert sr == 24000
-    return captured[0].cpu().numpy(), wavs[0]
 
 
 CASES = [
