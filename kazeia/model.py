@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import assign, load_tensors
+from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
 from .layers import fuse_projections
@@ -60,7 +60,9 @@ class TTSModel(nn.Module):
         del tensors
         fuse_projections(model)
         if int8:
+            release_freed_memory()  # the unfused weights' heap blocks, before the int8 copies grow
             quantize_linears(model)
+            release_freed_memory()
             model.talker.text_embedding = QuantEmbedding.from_float_chunked(model.talker.text_embedding.weight)
             model.float()
         return model.eval()

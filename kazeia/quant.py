@@ -102,7 +102,12 @@ class QuantEmbedding(nn.Module):
 
 def quantize_linears(module: nn.Module) -> None:
     """Replace every nn.Linear inside `module` by a QuantLinear, in place."""
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, QuantLinear.from_float(child.weight, child.bias))
+    # Collect the parents only: a list of every module would keep each float weight alive until the
+    # end, so all int8 copies would pile up next to all float weights at the peak.
+    parents = [m for m in module.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
+    for parent in parents:
+        names = [name for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+        for name in names:
+            child = getattr(parent, name)
+            setattr(parent, name, QuantLinear.from_float(child.weight, child.bias))
+            del child
