@@ -9,6 +9,7 @@ takes an explicit `torch.Generator`; no global RNG state is read or written.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -67,11 +68,17 @@ def talker_scores(logits: torch.Tensor, generated: torch.Tensor, opts: SamplingO
         picked = torch.gather(scores, 1, generated)
         picked = torch.where(picked < 0, picked * opts.repetition_penalty, picked / opts.repetition_penalty)
         scores = scores.scatter(1, generated, picked)
-    vocab = scores.shape[-1]
-    blocked = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+    allow_eos = not opts.ignore_eos and generated.shape[1] >= MIN_NEW_TOKENS
+    return scores.masked_fill(_blocked(scores.shape[-1], eos_id, scores.device, allow_eos), float("-inf"))
+
+
+@functools.lru_cache(maxsize=32)
+def _blocked(vocab: int, eos_id: int, device: torch.device, allow_eos: bool) -> torch.Tensor:
+    """(V,) bool: the control rows, EOS included unless allowed (built once, not every step)."""
+    blocked = torch.zeros(vocab, dtype=torch.bool, device=device)
     blocked[vocab - CONTROL_ROWS :] = True
-    blocked[eos_id] = opts.ignore_eos or generated.shape[1] < MIN_NEW_TOKENS
-    return scores.masked_fill(blocked, float("-inf"))
+    blocked[eos_id] = not allow_eos
+    return blocked
 
 
 def choose(
