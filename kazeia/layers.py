@@ -210,3 +210,41 @@ class Block(nn.Module):
     def forward(self, h, rope, cache: KVCache, start: int, mask=None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, cache, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class PackedLinear(nn.Module):
+    """A Linear whose weight is pre-packed for oneDNN's CPU matmul (float32 / bfloat16).
+
+    For batch-1 products oneDNN reads a packed weight about 1.5-1.8x faster than the stock GEMV
+    (measured: float32 30 against 17 GB/s, bfloat16 26 against 18). Same sums, in another order:
+    results differ from `F.linear` by float rounding only (~1e-6 relative in float32).
+    """
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """True when this CPU and torch build offer oneDNN packed matmuls for `dtype`."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=dtype), w, None, "none", [], "")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def pack_linears(module: nn.Module) -> None:
+    """Replace every nn.Linear inside `module` by a PackedLinear, in place (one weight at a time)."""
+    parents = [m for m in module.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
+    for parent in parents:
+        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
+            setattr(parent, name, PackedLinear(getattr(parent, name)))

@@ -16,7 +16,7 @@ from torch import nn
 from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
-from .layers import fuse_projections
+from .layers import can_pack, fuse_projections, pack_linears
 from .quant import QuantEmbedding, quantize_linears
 from .talker import Talker
 
@@ -59,6 +59,8 @@ class TTSModel(nn.Module):
         assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
         del tensors
         fuse_projections(model)
+        if not int8 and torch.device(device).type == "cpu" and can_pack(dtype):
+            pack_linears(model)  # oneDNN's packed batch-1 matmul reads weights ~1.5-1.8x faster
         if int8:
             release_freed_memory()  # the unfused weights' heap blocks, before the int8 copies grow
             quantize_linears(model)
