@@ -147,7 +147,9 @@ def weight_reads(path: Path) -> dict:
 
 
 def probe_bandwidth(shapes: list[tuple[int, int]], dtypes: list[str], budget_bytes: float = 4e8) -> dict:
-    """GB/s of weight bytes for batch-1 products over the model's own shapes, per format."""
+    """GB/s of weight bytes for batch-1 products over the model's own shapes, per format, with the
+    kernel the engine uses for that format (oneDNN packed weights where available)."""
+    from kazeia.layers import PackedLinear, can_pack
     from kazeia.quant import QuantLinear
 
     out = {}
@@ -162,6 +164,13 @@ def probe_bandwidth(shapes: list[tuple[int, int]], dtypes: list[str], budget_byt
             weights = [w.to(getattr(torch, dtype)) for w in base]
             x = {i: torch.randn(1, i).to(getattr(torch, dtype)) for _, i in shapes}
             calls = [(lambda w=w, x=x: torch.nn.functional.linear(x[w.shape[1]], w)) for w in weights]
+            if can_pack(getattr(torch, dtype)):
+                layers = []
+                for w in weights:
+                    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+                    lin.weight = torch.nn.Parameter(w, requires_grad=False)
+                    layers.append(PackedLinear(lin))
+                calls = [(lambda q=q, x=x: q(x[q.in_features])) for q in layers]
         best = float("inf")
         for _ in range(4):
             start = time.perf_counter()
