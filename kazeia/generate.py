@@ -17,7 +17,7 @@ import torch
 
 from .code_predictor import CodePredictor
 from .layers import KVCache
-from .prompt import Prompt
+from .prompt import Prompt, frame_embedding
 from .sampling import SamplingOptions, choose, talker_scores
 from .talker import Talker
 
@@ -86,13 +86,6 @@ def _predict_codes(
         out = predictor(x, cache, g + 1)
         codes.append(sample(predictor.lm_head[g](out[:, -1])))
     return torch.stack(codes, dim=1)
-
-
-def frame_embedding(talker: Talker, predictor: CodePredictor, codes: torch.Tensor) -> torch.Tensor:
-    """codes (1, 16) -> (1, 1, H): sum of the codebook-0 row and the 15 predictor rows."""
-    rows = [talker.codec_embedding(codes[:, :1])]
-    rows += [emb(codes[:, g + 1 : g + 2]) for g, emb in enumerate(predictor.codec_embedding)]
-    return torch.cat(rows, dim=1).sum(1, keepdim=True)
 
 
 @torch.inference_mode()

@@ -79,6 +79,14 @@ def embed_tokens(talker: Talker, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([talker.embed_text(ids[:, i : i + 1]) for i in range(ids.shape[1])], dim=1)
 
 
+def frame_embedding(talker: Talker, predictor: CodePredictor, codes: torch.Tensor) -> torch.Tensor:
+    """codes (T, 16) -> (T, 1, H): per frame, the sum of its codebook-0 row and 15 predictor rows
+    (the codec-track vector of a generated or reference frame)."""
+    rows = [talker.codec_embedding(codes[:, :1])]
+    rows += [emb(codes[:, g + 1 : g + 2]) for g, emb in enumerate(predictor.codec_embedding)]
+    return torch.cat(rows, dim=1).sum(1, keepdim=True)
+
+
 def _ids(values, device) -> torch.Tensor:
     return torch.tensor([list(values)], dtype=torch.long, device=device)
 
@@ -150,9 +158,7 @@ def _icl(talker, predictor, cfg, clone: Clone, text, eos_pad, non_streaming_mode
     ref = _ids(clone.ref_text_ids, device)
     text_track = torch.cat((talker.embed_text(torch.cat((ref, text), dim=1)), eos), dim=1)  # (1, T1, H)
     codes = clone.ref_codes.to(device)  # (T, 16)
-    rows = [talker.codec_embedding(codes[:, :1])]
-    rows += [emb(codes[:, g + 1 : g + 2]) for g, emb in enumerate(predictor.codec_embedding)]
-    frames = torch.cat(rows, dim=1).sum(1)[None]  # (1, T, H)
+    frames = frame_embedding(talker, predictor, codes).transpose(0, 1)  # (1, T, H)
     codec_track = torch.cat((talker.codec_embedding(_ids([t.codec_bos_id], device)), frames), dim=1)  # (1, T2, H)
     t1, t2 = text_track.shape[1], codec_track.shape[1]
     if non_streaming_mode:

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 
 from ..engine import Engine
-from ..generate import frame_embedding
-from ..prompt import build_prompt
+from ..prompt import build_prompt, frame_embedding
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, ignore_eos=True)
 
