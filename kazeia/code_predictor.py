@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from .config import TransformerConfig
-from .layers import Block, KVCache, RMSNorm, Rotary
+from .layers import Block, KVCache, RMSNorm, Rotary, cache_dtype, run_stack
 
 
 class CodePredictor(nn.Module):
+    compiled_step = None  # `run_layers` compiled (TTSModel.compile)
+
     def __init__(self, cfg: TransformerConfig, talker_dim: int, vocab: int, num_code_groups: int):
         super().__init__()
         self.cfg = cfg
@@ -43,13 +45,17 @@ class CodePredictor(nn.Module):
         w = self.norm.weight
         capacity = self.num_groups + 2  # [h, c0] then one position per predicted code (17)
         c = self.cfg
-        return [KVCache(batch, c.num_kv_heads, capacity, c.head_dim, w.device, w.dtype) for _ in self.layers]
+        return [
+            KVCache(batch, c.num_kv_heads, capacity, c.head_dim, w.device, cache_dtype(w.dtype, w.device))
+            for _ in self.layers
+        ]
 
     def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
         """x (B, T, talker_dim) at positions [start, start+T) -> final-normed hidden (B, T, cp_dim)."""
         x = self.small_to_mtp_projection(x)
-        positions = torch.arange(start, start + x.shape[1], device=x.device)
-        rope = self.rotary(positions, x.dtype)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
-            x = layer(x, rope, layer_cache, start)
-        return self.norm(x)
+        rope = self.rotary.span(start, x.shape[1], x.dtype, x.device)
+        return (self.compiled_step or self.run_layers)(x, rope, cache, start)
+
+    def run_layers(self, x: torch.Tensor, rope, cache: list[KVCache], start: int) -> torch.Tensor:
+        """The decoder stack and final norm (eager; `TTSModel.compile` compiles a `Stack` of them)."""
+        return run_stack(self.layers, self.norm, x, rope, cache, start)

@@ -104,8 +104,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x (B, T, dim) -> (B, T, dim)."""
         B, T, _ = x.shape
-        q = apply_rotary(self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2), *rope)
-        k = apply_rotary(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2), *rope)
+        q = apply_rotary(self.q_proj(x).view(B, T, self.heads, self.head_dim), *rope).transpose(1, 2)
+        k = apply_rotary(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim), *rope).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))

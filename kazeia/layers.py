@@ -20,44 +20,57 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel; bit-identical to the expression below in float32 (and 1.5x cheaper).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)), the normalisation in float32 and rounded to x's dtype
+    before the scale (the reference's order). `F.rms_norm` upcasts reduced-precision inputs itself:
+    one fused call, bit-identical to writing the steps out (tests/test_layers.py)."""
+    return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
 
 
 class Rotary(nn.Module):
-    """Plain rotary position embedding, rotate-half convention, angles in float32."""
+    """Plain rotary position embedding, rotate-half convention, angles in float32.
+
+    Returns (cos, sin) shaped (T, 1, hd) for the (B, T, heads, hd) layout, `sin` with its first
+    half negated so that `apply_rotary` needs no rotate-half copy. `span` serves consecutive
+    positions from a table built once (and grown by doubling), so decoding steps compute nothing.
+    """
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
         self.register_buffer("inv_freq", torch.empty(head_dim // 2), persistent=False)
         self.init_buffers()
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the derived buffer, e.g. after the module was built on the meta device."""
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
         self.inv_freq = 1.0 / (self.theta**exponent)
+        self._tables = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) int64 -> cos, sin (T, hd) in `dtype`."""
+        """positions (T,) int64 -> cos, signed sin (T, 1, hd) in `dtype`."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def span(self, start: int, length: int, dtype: torch.dtype, device: torch.device):
+        """`forward(arange(start, start + length))`, sliced from the cached table."""
+        key = (dtype, torch.device(device))
+        cos, sin = self._tables.get(key, (None, None))
+        if cos is None or cos.shape[0] < start + length:
+            size = max(256, 2 * (start + length))
+            cos, sin = self._tables[key] = self(torch.arange(size, device=device), dtype)
+        return cos[start : start + length], sin[start : start + length]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, T, hd); cos/sin (T, hd)."""
-    return x * cos + rotate_half(x) * sin
+    """x (B, T, heads, hd); cos / signed sin (T, 1, hd): x*cos + rotate_half(x)*sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class KVCache:
@@ -103,17 +116,19 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv_proj: nn.Module | None = None  # set by `fuse()`
+        self.register_buffer("qk_norm_weight", None, persistent=False)  # set by `fuse()`
 
     def fuse(self) -> None:
-        """Replace q/k/v_proj by one projection (one weight read, one kernel call per step)."""
+        """Replace q/k/v_proj by one projection (one weight read, one kernel call per step) and
+        the two qk-norm weights by one (heads + kv_heads, hd) scale."""
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
+        if self.q_norm is not None:
+            self.qk_norm_weight = self._qk_scale()
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+    def _qk_scale(self) -> torch.Tensor:
+        q, k = self.q_norm.weight.detach(), self.k_norm.weight.detach()
+        return torch.cat((q.expand(self.heads, -1), k.expand(self.kv_heads, -1)))
 
     def forward(
         self,
@@ -123,29 +138,43 @@ class Attention(nn.Module):
         start: int,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """x (B, T, dim) at positions [start, start+T) of `cache`; mask (T, S) bool or None = causal."""
+        """x (B, T, dim) at positions [start, start+T) of `cache`; mask (T, S) bool or None = causal.
+
+        Queries and keys travel together as (B, T, heads + kv_heads, hd): one norm, one rotation.
+        The cache may hold a wider dtype than x (float32 caches for reduced-precision weights on the
+        CPU, see `cache_dtype`); attention then runs in the cache's dtype.
+        """
         B, T, _ = x.shape
-        q, k, v = self._qkv(x)
-        q = q.view(B, T, self.heads, self.head_dim)
-        k = k.view(B, T, self.kv_heads, self.head_dim)
-        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        nq, nkv, hd = self.heads, self.kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qk, v = self.qkv_proj(x).view(B, T, nq + 2 * nkv, hd).split((nq + nkv, nkv), dim=2)
+        else:
+            qk = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1).view(B, T, nq + nkv, hd)
+            v = self.v_proj(x).view(B, T, nkv, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), *rope)  # (B, nh, T, hd)
-        k = apply_rotary(k.transpose(1, 2), *rope)  # (B, nkv, T, hd)
-        cache.write(start, k, v)
+            scale = self.qk_norm_weight if self.qk_norm_weight is not None else self._qk_scale()
+            qk = rms_norm(qk, scale, self.q_norm.eps)
+        qk = apply_rotary(qk, *rope).transpose(1, 2)  # (B, nq + nkv, T, hd)
+        cache.write(start, qk[:, nq:], v.transpose(1, 2))
         keys, values = cache.view(start + T)  # (B, nkv, S, hd)
         if mask is None and T > 1 and start > 0:
             mask = causal_mask(T, start + T, start, x.device)
         out = F.scaled_dot_product_attention(
-            q,
+            qk[:, :nq].to(keys.dtype),
             keys,
             values,
             attn_mask=mask,
             is_causal=mask is None and T > 1,
-            enable_gqa=self.heads != self.kv_heads,
+            enable_gqa=nq != nkv,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
+        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(B, T, nq * hd))
+
+
+def cache_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV-cache dtype for activations of `dtype` on `device`: float32 on the CPU, where
+    attention over bfloat16/float16 keys is several times slower than over float32 ones (and the
+    cache is small next to the weights); the activation dtype elsewhere."""
+    return torch.float32 if torch.device(device).type == "cpu" else dtype
 
 
 def causal_mask(T: int, S: int, start: int, device, window: int | None = None) -> torch.Tensor:
@@ -210,6 +239,25 @@ class Block(nn.Module):
     def forward(self, h, rope, cache: KVCache, start: int, mask=None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, cache, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def run_stack(layers: nn.ModuleList, norm: RMSNorm, x: torch.Tensor, rope, cache: list, start: int) -> torch.Tensor:
+    """Decoder layers over their caches, then the final norm."""
+    for layer, layer_cache in zip(layers, cache, strict=True):
+        x = layer(x, rope, layer_cache, start)
+    return norm(x)
+
+
+class Stack(nn.Module):
+    """A decoder's layers and final norm as one module, sharing their weights: what gets compiled
+    (the compiler freezes the weights of the module it is given)."""
+
+    def __init__(self, layers: nn.ModuleList, norm: RMSNorm):
+        super().__init__()
+        self.layers, self.norm = layers, norm
+
+    def forward(self, x: torch.Tensor, rope, cache: list, start: int) -> torch.Tensor:
+        return run_stack(self.layers, self.norm, x, rope, cache, start)
 
 
 class PackedLinear(nn.Module):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TalkerConfig
-from .layers import Block, KVCache, RMSNorm, Rotary
+from .layers import Block, KVCache, RMSNorm, Rotary, cache_dtype, run_stack
 
 
 class TextProjection(nn.Module):
@@ -29,6 +29,8 @@ class TextProjection(nn.Module):
 
 
 class Talker(nn.Module):
+    compiled_step = None  # `run_layers` compiled for one position at a time (TTSModel.compile)
+
     def __init__(self, cfg: TalkerConfig):
         super().__init__()
         s = cfg.stack
@@ -51,12 +53,18 @@ class Talker(nn.Module):
     def new_cache(self, capacity: int, batch: int = 1) -> list[KVCache]:
         s = self.cfg.stack
         w = self.norm.weight  # activation dtype and device (linears may be quantized)
-        return [KVCache(batch, s.num_kv_heads, capacity, s.head_dim, w.device, w.dtype) for _ in self.layers]
+        return [
+            KVCache(batch, s.num_kv_heads, capacity, s.head_dim, w.device, cache_dtype(w.dtype, w.device))
+            for _ in self.layers
+        ]
 
     def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
         """x (B, T, H) input vectors at positions [start, start+T) -> final-normed hidden (B, T, H)."""
-        positions = torch.arange(start, start + x.shape[1], device=x.device)
-        rope = self.rotary(positions, x.dtype)
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
-            x = layer(x, rope, layer_cache, start)
-        return self.norm(x)
+        rope = self.rotary.span(start, x.shape[1], x.dtype, x.device)
+        if self.compiled_step is not None and x.shape[1] == 1:
+            return self.compiled_step(x, rope, cache, start)
+        return self.run_layers(x, rope, cache, start)
+
+    def run_layers(self, x: torch.Tensor, rope, cache: list[KVCache], start: int) -> torch.Tensor:
+        """The decoder stack and final norm (eager; `TTSModel.compile` compiles a `Stack` of them)."""
+        return run_stack(self.layers, self.norm, x, rope, cache, start)
