@@ -15,8 +15,6 @@ from .layers import Block, KVCache, RMSNorm, Rotary, cache_dtype, run_stack
 
 
 class CodePredictor(nn.Module):
-    compiled_step = None  # `run_layers` compiled (TTSModel.compile)
-
     def __init__(self, cfg: TransformerConfig, talker_dim: int, vocab: int, num_code_groups: int):
         super().__init__()
         self.cfg = cfg
@@ -54,8 +52,4 @@ class CodePredictor(nn.Module):
         """x (B, T, talker_dim) at positions [start, start+T) -> final-normed hidden (B, T, cp_dim)."""
         x = self.small_to_mtp_projection(x)
         rope = self.rotary.span(start, x.shape[1], x.dtype, x.device)
-        return (self.compiled_step or self.run_layers)(x, rope, cache, start)
-
-    def run_layers(self, x: torch.Tensor, rope, cache: list[KVCache], start: int) -> torch.Tensor:
-        """The decoder stack and final norm (eager; `TTSModel.compile` compiles a `Stack` of them)."""
         return run_stack(self.layers, self.norm, x, rope, cache, start)

@@ -27,6 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)), the normalisation in float32 and rounded to x's dtype
     before the scale (the reference's order). `F.rms_norm` upcasts reduced-precision inputs itself:
     one fused call, bit-identical to writing the steps out (tests/test_layers.py)."""
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, weight.shape, weight, eps)  # the same two roundings, in one call
     return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
 
 
@@ -248,16 +250,7 @@ def run_stack(layers: nn.ModuleList, norm: RMSNorm, x: torch.Tensor, rope, cache
     return norm(x)
 
 
-class Stack(nn.Module):
-    """A decoder's layers and final norm as one module, sharing their weights: what gets compiled
-    (the compiler freezes the weights of the module it is given)."""
-
-    def __init__(self, layers: nn.ModuleList, norm: RMSNorm):
-        super().__init__()
-        self.layers, self.norm = layers, norm
-
-    def forward(self, x: torch.Tensor, rope, cache: list, start: int) -> torch.Tensor:
-        return run_stack(self.layers, self.norm, x, rope, cache, start)
+LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default  # the resolved overload: no lookup per call
 
 
 class PackedLinear(nn.Module):
@@ -275,7 +268,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return LINEAR_POINTWISE(x, self.weight, self.bias, "none", [], "")
 
 
 def can_pack(dtype: torch.dtype) -> bool:

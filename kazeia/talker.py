@@ -29,8 +29,6 @@ class TextProjection(nn.Module):
 
 
 class Talker(nn.Module):
-    compiled_step = None  # `run_layers` compiled for one position at a time (TTSModel.compile)
-
     def __init__(self, cfg: TalkerConfig):
         super().__init__()
         s = cfg.stack
@@ -61,10 +59,4 @@ class Talker(nn.Module):
     def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
         """x (B, T, H) input vectors at positions [start, start+T) -> final-normed hidden (B, T, H)."""
         rope = self.rotary.span(start, x.shape[1], x.dtype, x.device)
-        if self.compiled_step is not None and x.shape[1] == 1:
-            return self.compiled_step(x, rope, cache, start)
-        return self.run_layers(x, rope, cache, start)
-
-    def run_layers(self, x: torch.Tensor, rope, cache: list[KVCache], start: int) -> torch.Tensor:
-        """The decoder stack and final norm (eager; `TTSModel.compile` compiles a `Stack` of them)."""
         return run_stack(self.layers, self.norm, x, rope, cache, start)

@@ -32,7 +32,6 @@ def parity_engines(tiny_checkpoints):
     return {name: Engine.load(path, tokenizer_regex="reference-local") for name, path in tiny_checkpoints.items()}
 
 
-
 CASES = [
     # (checkpoint, reference method, reference kwargs, engine kwargs)
     (
