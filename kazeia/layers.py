@@ -6,6 +6,8 @@ S = cached positions, nh / nkv = query / key-value heads, hd = head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -220,12 +222,15 @@ def fuse_linears(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-def fuse_projections(module: nn.Module) -> None:
-    """Fuse the q/k/v and gate/up projections of every attention and MLP inside `module`."""
+def fuse_projections(module: nn.Module, after_each: Callable[[], None] | None = None) -> None:
+    """Fuse the q/k/v and gate/up projections of every attention and MLP inside `module`.
+    `after_each` runs after each fusion (loading passes one that returns freed memory to the OS)."""
     # Collect the parents only: a list holding the old Linear modules would keep every unfused
     # weight alive until the end, doubling the projections' memory at the peak.
     for sub in [m for m in module.modules() if isinstance(m, (Attention, SwiGLU))]:
         sub.fuse()
+        if after_each is not None:
+            after_each()
 
 
 class Block(nn.Module):
@@ -283,9 +288,12 @@ def can_pack(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_linears(module: nn.Module) -> None:
-    """Replace every nn.Linear inside `module` by a PackedLinear, in place (one weight at a time)."""
+def pack_linears(module: nn.Module, after_each: Callable[[], None] | None = None) -> None:
+    """Replace every nn.Linear inside `module` by a PackedLinear, in place (one weight at a time);
+    `after_each` runs after each parent module's linears are replaced."""
     parents = [m for m in module.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
     for parent in parents:
         for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
             setattr(parent, name, PackedLinear(getattr(parent, name)))
+        if after_each is not None:
+            after_each()

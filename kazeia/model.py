@@ -58,13 +58,15 @@ class TTSModel(nn.Module):
         del raw
         assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
         del tensors
-        fuse_projections(model)
+        # Each step frees the weights it replaces; glibc keeps such blocks in its heap, so they are
+        # handed back after every module, or the unfused and fused copies would add up at the peak.
+        fuse_projections(model, after_each=release_freed_memory)
         if not int8 and torch.device(device).type == "cpu" and can_pack(dtype):
-            pack_linears(model)  # oneDNN's packed batch-1 matmul reads weights ~1.5-1.8x faster
+            pack_linears(
+                model, after_each=release_freed_memory
+            )  # oneDNN's packed batch-1 matmul reads weights ~1.5-1.8x faster
         if int8:
-            release_freed_memory()  # the unfused weights' heap blocks, before the int8 copies grow
-            quantize_linears(model)
-            release_freed_memory()
+            quantize_linears(model, after_each=release_freed_memory)
             model.talker.text_embedding = QuantEmbedding.from_float_chunked(model.talker.text_embedding.weight)
             model.float()
         return model.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -105,8 +106,9 @@ class QuantEmbedding(nn.Module):
         return self.qweight[ids].float() * self.scales[ids, None]
 
 
-def quantize_linears(module: nn.Module) -> None:
-    """Replace every nn.Linear inside `module` by a QuantLinear, in place."""
+def quantize_linears(module: nn.Module, after_each: Callable[[], None] | None = None) -> None:
+    """Replace every nn.Linear inside `module` by a QuantLinear, in place; `after_each` runs after
+    each parent module's linears are replaced."""
     # Collect the parents only: a list of every module would keep each float weight alive until the
     # end, so all int8 copies would pile up next to all float weights at the peak.
     parents = [m for m in module.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
@@ -116,3 +118,5 @@ def quantize_linears(module: nn.Module) -> None:
             child = getattr(parent, name)
             setattr(parent, name, QuantLinear.from_float(child.weight, child.bias))
             del child
+        if after_each is not None:
+            after_each()
