@@ -87,7 +87,7 @@ class QuantEmbedding(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_float_chunked(cls, weight: torch.Tensor, rows: int = 16384) -> QuantEmbedding:
+    def from_float_chunked(cls, weight: torch.Tensor, rows: int = 2048) -> QuantEmbedding:
         """Quantize a large table in row blocks, so no float32 copy of the whole table exists."""
         out = cls.__new__(cls)
         nn.Module.__init__(out)
