@@ -27,8 +27,9 @@ class RMSNorm(nn.Module):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2) + eps)), the normalisation in float32 and rounded to x's dtype
-    before the scale (the reference's order). `F.rms_norm` upcasts reduced-precision inputs itself:
-    one fused call, bit-identical to writing the steps out (tests/test_layers.py)."""
+    before the scale (the reference's order); `weight` is (hd,) or one row per head (heads, hd).
+    `F.rms_norm` upcasts reduced-precision inputs itself, so this is one or two calls, bit-identical
+    to writing the steps out (tests/test_layers.py)."""
     if x.dtype == torch.float32 and weight.dim() == 1:
         return F.rms_norm(x, weight.shape, weight, eps)  # the same two roundings, in one call
     return F.rms_norm(x, weight.shape[-1:], None, eps) * weight

@@ -62,9 +62,8 @@ class TTSModel(nn.Module):
         # handed back after every module, or the unfused and fused copies would add up at the peak.
         fuse_projections(model, after_each=release_freed_memory)
         if not int8 and torch.device(device).type == "cpu" and can_pack(dtype):
-            pack_linears(
-                model, after_each=release_freed_memory
-            )  # oneDNN's packed batch-1 matmul reads weights ~1.5-1.8x faster
+            # oneDNN's packed batch-1 matmul reads weights ~1.5-1.8x faster than the stock kernel.
+            pack_linears(model, after_each=release_freed_memory)
         if int8:
             quantize_linears(model, after_each=release_freed_memory)
             model.talker.text_embedding = QuantEmbedding.from_float_chunked(model.talker.text_embedding.weight)
