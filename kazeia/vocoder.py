@@ -120,8 +120,8 @@ class TransConv(nn.Module):
         y = spread[:, self.keep :, :, 0]
         for tap in range(1, k // s):  # input t - tap adds its tap-th block of s outputs
             y = y + spread[:, self.keep - tap : self.keep - tap + L, :, tap]
-        y = y.permute(0, 2, 1, 3).reshape(B, cout, L * s)  # (B, C_out, L*s)
-        return y + self.conv.bias[:, None]
+        y = y.permute(0, 2, 1, 3).reshape(B, cout, L * s)  # (B, C_out, L*s), a fresh copy
+        return y.add_(self.conv.bias[:, None])
 
 
 class SnakeBeta(nn.Module):
@@ -252,7 +252,7 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
         h = self.conv1(self.act1(x), state)
-        return x + self.conv2(self.act2(h), state)
+        return self.conv2(self.act2(h), state).add_(x)  # = x + conv2(...), without a new tensor
 
 
 class DecoderBlock(nn.Module):
