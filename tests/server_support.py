@@ -134,3 +134,11 @@ def assert_pcm_close(got: bytes, expected: bytes) -> None:
 def offline_pcm(engine, text: str, **options) -> bytes:
     """What the server should send for this text: the engine's own synthesis as 16-bit PCM."""
     return pcm16(engine.synthesize(text, **options).audio)
+
+
+def ws_receive(ws) -> dict | bytes:
+    """The next message of a test WebSocket: a dict for JSON events, bytes for audio."""
+    message = ws.receive()
+    if message.get("bytes") is not None:
+        return message["bytes"]
+    return json.loads(message["text"])

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 from server_support import FRAME_BYTES, LiveServer
+from server_support import ws_receive as receive
 
 from kazeia.audio import pcm16
 from kazeia.server import Limits, ServerConfig, create_app
@@ -91,11 +92,6 @@ def app(engines):
 def client(app):
     with TestClient(app) as client:
         yield client
-
-
-def receive(ws):
-    message = ws.receive()
-    return message["bytes"] if message.get("bytes") is not None else json.loads(message["text"])
 
 
 def until_closed(ws, count: int, speaking: int | None = None) -> tuple[list[dict], dict[int, bytes]]:

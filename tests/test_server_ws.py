@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 from server_support import FRAME_BYTES, assert_pcm_close, offline_pcm
+from server_support import ws_receive as receive
 
 from kazeia.server import Limits, ServerConfig, create_app
 
@@ -24,14 +25,6 @@ def app(engines):
 def client(app):
     with TestClient(app) as client:
         yield client
-
-
-def receive(ws):
-    """The next server message: a dict for JSON events, bytes for audio."""
-    message = ws.receive()
-    if message.get("bytes") is not None:
-        return message["bytes"]
-    return json.loads(message["text"])
 
 
 def utterance(ws) -> tuple[dict, bytes, dict]:
