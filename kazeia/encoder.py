@@ -147,7 +147,7 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, T, hidden) at positions 0..T-1 -> (B, T, hidden)."""
-        rope = self.rotary(torch.arange(x.shape[1], device=x.device), x.dtype)
+        rope = self.rotary.span(0, x.shape[1], x.dtype, x.device)
         for layer in self.layers:
             x = layer(x, rope)
         return x

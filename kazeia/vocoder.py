@@ -213,7 +213,7 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, caches: list[WindowCache], start: int) -> torch.Tensor:
         """x (B, n, latent) at frames [start, start + n) -> (B, n, latent)."""
         n, keep = x.shape[1], caches[0].k.shape[2]
-        rope = self.rotary(torch.arange(start, start + n, device=x.device), x.dtype)
+        rope = self.rotary.span(start, n, x.dtype, x.device)
         mask = causal_mask(n, keep + n, keep, x.device, self.window)  # keys local: frame start-keep+j
         mask &= torch.arange(keep + n, device=x.device)[None, :] >= keep - start  # no frames before 0
         h = self.input_proj(x)
