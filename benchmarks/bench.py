@@ -201,7 +201,7 @@ def run_reference(path: Path, dtype: str, frames: int, repeats: int) -> dict:
 
 # -- orchestration -------------------------------------------------------------------------------
 def weight_reads(path: Path) -> dict:
-    """Per-frame weight reads (parameters) and the linear shapes read, from the checkpoint config."""
+    """Per-frame weight reads (parameters), from the checkpoint config (recorded in the JSON)."""
     cfg = json.loads((path / "config.json").read_text())
     t, cp = cfg["talker_config"], cfg["talker_config"]["code_predictor_config"]
 
@@ -216,7 +216,7 @@ def weight_reads(path: Path) -> dict:
         predictor.append((cp["hidden_size"], t["hidden_size"]))
     groups = t["num_code_groups"] - 1
     reads = sum(o * i for o, i in talker) + groups * sum(o * i for o, i in predictor)
-    return {"reads": reads, "shapes": sorted(set(talker + predictor))}
+    return {"reads": reads}
 
 
 def spawn(kind: str, path: Path, dtype: str, frames: int, threads: int | None, repeats: int) -> dict:
