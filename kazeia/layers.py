@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import native
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, cast back, then scaled (Qwen3 order)."""
@@ -250,7 +252,11 @@ class Block(nn.Module):
 
 
 def run_stack(layers: nn.ModuleList, norm: RMSNorm, x: torch.Tensor, rope, cache: list, start: int) -> torch.Tensor:
-    """Decoder layers over their caches, then the final norm."""
+    """Decoder layers over their caches, then the final norm. One position of one sequence runs the
+    compiled step where it applies (kazeia/native), the same computation with less overhead."""
+    step = native.stack_step(layers, norm, x, cache)
+    if step is not None:
+        return step(x, rope, cache, start)
     for layer, layer_cache in zip(layers, cache, strict=True):
         x = layer(x, rope, layer_cache, start)
     return norm(x)

@@ -1,0 +1,208 @@
+"""Compiled decode steps: one decoder-stack step at batch 1 with the glue between products in C.
+
+The matrix products stay with PyTorch (oneDNN / int8 GEMM modules); the norms, rotation, KV-cache
+write, attention and SiLU of each layer run as three calls into `decode.c`, which the system C
+compiler builds once per machine into `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no
+compiler is found or the build fails, `library()` returns None with one warning and the eager code
+runs instead; `KAZEIA_NATIVE=0` turns this path off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+import weakref
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode.c")
+# -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def enabled() -> bool:
+    return os.environ.get("KAZEIA_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KAZEIA_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "kazeia") / "native"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
+    """Compile decode.c (once per source, flags, compiler and CPU) and return the library path."""
+    compiler = compiler or os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} not found")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()]))
+    target_dir = target_dir or cache_dir()
+    path = target_dir / f"decode-{key.hexdigest()[:16]}.so"
+    if path.exists():
+        return path
+    target_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, path)  # atomic: concurrent builds leave one complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+_P, _INT, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # argument types of decode.c's functions (pointers are tensors' data_ptr())
+    "add_rms_norm": [_P, _P, _P, _P, _INT, _F, _INT],
+    "attend": [*[_P] * 8, *[_INT] * 5, _F, _INT],
+    "silu_mul": [_P, _P, _INT, _INT],
+}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled decode library, or None (disabled, no compiler, build failure: warned once)."""
+    if not enabled() or sys.platform == "win32":
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        warnings.warn(f"kazeia: compiled decode steps unavailable, using eager PyTorch ({err})", stacklevel=2)
+        return None
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+class StackStep:
+    """One position through a stack of fused `layers.Block`s and its final norm, batch 1.
+
+    Built once per stack (`stack_step`); holds the norms' weights and the products' `forward`s. Each
+    layer is: qkv product, `attend`, output product, `add_rms_norm`, gate/up product, `silu_mul`,
+    down product, `add_rms_norm` (which also applies the next layer's input norm or the final one).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, layers, norm, dtype: torch.dtype):
+        self.lib, self.dtype, self.dt = lib, dtype, DTYPES[dtype]
+        first = layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
+        self.hidden = layers[0].mlp.down_proj.out_features
+        self.inner = layers[0].mlp.down_proj.in_features
+        self.eps = layers[0].input_layernorm.eps
+        self.qk_eps = first.q_norm.eps
+        norms = [layer.input_layernorm.weight for layer in layers] + [norm.weight]
+        self.keep = []  # the tensors whose addresses are held below
+        self.first_norm, self.last_norm = self._address(norms[0]), norms[-1].data_ptr()
+        self.layers = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    attn.qkv_proj.forward,
+                    self._address(attn.qk_norm_weight),
+                    attn.o_proj.forward,
+                    self._address(layer.post_attention_layernorm.weight),
+                    mlp.gate_up_proj.forward,
+                    mlp.down_proj.forward,
+                    self._address(norms[i + 1]),
+                )
+            )
+
+    def _address(self, t: torch.Tensor) -> int:
+        if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"expected a contiguous CPU {self.dtype} tensor, got {t.dtype} {tuple(t.shape)}")
+        self.keep.append(t)
+        return t.data_ptr()
+
+    def valid(self, layers, norm) -> bool:
+        """Still describes `layers` (the norms' weights at the same addresses)?"""
+        first, last = layers[0].input_layernorm.weight, norm.weight
+        return first.data_ptr() == self.first_norm and last.data_ptr() == self.last_norm
+
+    def __call__(self, x: torch.Tensor, rope, cache, start: int) -> torch.Tensor:
+        """x (1, 1, H) at position `start` -> final-normed hidden (1, 1, H); fills each layer's cache."""
+        lib, dt, dtype = self.lib, self.dt, self.dtype
+        H, nq, nkv, hd = self.hidden, self.heads, self.kv_heads, self.head_dim
+        capacity = cache[0].k.shape[2]
+        if start >= capacity:
+            raise RuntimeError(f"KV cache overflow: position {start + 1} > capacity {capacity}")
+        h = x.reshape(H).clone()  # the residual stream, updated in place
+        normed = torch.empty(1, 1, H, dtype=dtype)
+        attended = torch.empty(1, 1, nq * hd, dtype=dtype)
+        activated = torch.empty(1, 1, self.inner, dtype=dtype)
+        scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
+        hp, np_, ap, mp, sp = (t.data_ptr() for t in (h, normed, attended, activated, scratch))
+        cos, sin = (t.data_ptr() for t in rope)
+        eps, qk_eps = self.eps, self.qk_eps
+        lib.add_rms_norm(hp, None, self.first_norm, np_, H, eps, dt)
+        for (qkv, qk_w, o_proj, post_w, gate_up, down, next_w), layer_cache in zip(self.layers, cache, strict=True):
+            y = qkv(normed)
+            k, v = layer_cache.k, layer_cache.v
+            lib.attend(y.data_ptr(), qk_w, cos, sin, k.data_ptr(), v.data_ptr(), ap, sp, nq, nkv, hd, capacity,
+                       start, qk_eps, dt)  # fmt: skip
+            # Each product's output is held in a name until the call returns (a temporary's memory
+            # would be freed as soon as its address is taken).
+            y = o_proj(attended)
+            lib.add_rms_norm(hp, y.data_ptr(), post_w, np_, H, eps, dt)
+            y = gate_up(normed)
+            lib.silu_mul(y.data_ptr(), mp, self.inner, dt)
+            y = down(activated)
+            lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, H, eps, dt)
+        return normed
+
+
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def stack_step(layers, norm, x: torch.Tensor, cache) -> StackStep | None:
+    """The compiled step for this stack and input, or None where it does not apply (more than one
+    position or sequence, other dtypes or devices, unfused layers, no compiled library)."""
+    if x.shape[0] != 1 or x.shape[1] != 1 or x.dtype not in DTYPES or x.device.type != "cpu":
+        return None
+    if cache[0].k.dtype != torch.float32 or cache[0].k.shape[0] != 1:
+        return None
+    step = _STEPS.get(layers)
+    if step is not None and step.dtype == x.dtype and step.valid(layers, norm):
+        return step
+    lib = library()
+    if lib is None or not _supported(layers, x.dtype):
+        return None
+    _STEPS[layers] = step = StackStep(lib, layers, norm, x.dtype)
+    return step
+
+
+def _supported(layers, dtype: torch.dtype) -> bool:
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None or mlp.gate_up_proj is None or attn.qk_norm_weight is None:
+            return False
+        if attn.heads % attn.kv_heads or attn.head_dim % 2:
+            return False
+        if layer.input_layernorm.weight.dtype != dtype:
+            return False
+    return True

@@ -1,0 +1,150 @@
+"""The compiled decode step (kazeia/native) against the eager layers it replaces, and its fallbacks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from kazeia import Engine, native
+from kazeia.layers import Block, KVCache, RMSNorm, Rotary, fuse_projections, pack_linears, run_stack
+from kazeia.quant import quantize_linears
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the eager path runs")
+
+DIM, HEADS, KV_HEADS, HEAD_DIM, INNER = 48, 6, 2, 16, 96
+
+
+def make_stack(dtype: torch.dtype, linears: str, seed: int = 0):
+    """Three fused random layers + final norm; `linears`: plain, packed (oneDNN) or int8."""
+    torch.manual_seed(seed)
+    layers = nn.ModuleList(Block(DIM, HEADS, KV_HEADS, HEAD_DIM, INNER, 1e-6) for _ in range(3))
+    norm = RMSNorm(DIM, 1e-6)
+    with torch.no_grad():
+        for p in [*layers.parameters(), norm.weight]:
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.5) + (0 if p.dim() > 1 else 1))
+    layers.to(dtype), norm.to(dtype)
+    fuse_projections(layers)
+    if linears == "packed":
+        pack_linears(layers)
+    elif linears == "int8":
+        quantize_linears(layers)
+    return layers, norm
+
+
+def eager_step(layers, norm, x, rope, caches, start):
+    for layer, cache in zip(layers, caches, strict=True):
+        x = layer(x, rope, cache, start)
+    return norm(x)
+
+
+def new_caches(capacity: int = 40):
+    return [KVCache(1, KV_HEADS, capacity, HEAD_DIM, "cpu", torch.float32) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "linears"),
+    [(torch.float32, "plain"), (torch.float32, "packed"), (torch.bfloat16, "packed"), (torch.float32, "int8")],
+)
+def test_compiled_step_matches_the_eager_layers(dtype, linears):
+    if linears == "packed" and not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    layers, norm = make_stack(dtype, linears)
+    rot = Rotary(HEAD_DIM, 10000.0)
+    ours, theirs = new_caches(), new_caches()
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        prompt = torch.randn(1, 7, DIM, generator=gen).to(dtype)
+        for caches in (ours, theirs):  # the prompt takes the eager path in both
+            run_stack(layers, norm, prompt, rot.span(0, 7, dtype, "cpu"), caches, 0)
+        assert native.stack_step(layers, norm, prompt[:, :1], ours) is not None
+        for pos in range(7, 30):
+            x = torch.randn(1, 1, DIM, generator=gen).to(dtype)
+            x_before = x.clone()
+            rope = rot.span(pos, 1, dtype, "cpu")
+            got = run_stack(layers, norm, x, rope, ours, pos)
+            want = eager_step(layers, norm, x, rope, theirs, pos)
+            assert torch.equal(x, x_before)  # the input is not modified
+            assert got.shape == want.shape and got.dtype == want.dtype
+            if dtype == torch.bfloat16:
+                # Same roundings in the same places; only float32 summation orders differ, which
+                # can move a value by one bfloat16 step.
+                torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+                assert (got == want).float().mean() > 0.9
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for a, b in zip(ours, theirs, strict=True):  # the caches hold the same keys and values
+            torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(a.v, b.v, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_step_attends_over_the_whole_cache():
+    """A late key that dominates attention must change the output (the attention really spans
+    every cached position, grouped query heads included)."""
+    layers, norm = make_stack(torch.float32, "plain")
+    rot = Rotary(HEAD_DIM, 10000.0)
+    with torch.inference_mode():
+        caches = new_caches()
+        x = torch.randn(1, 1, DIM)
+        for pos in range(5):
+            run_stack(layers, norm, x, rot.span(pos, 1, torch.float32, "cpu"), caches, pos)
+        before = run_stack(layers, norm, x, rot.span(5, 1, torch.float32, "cpu"), caches, 5)
+        for cache in caches:
+            cache.v[:, :, 2] += 50.0
+        after = run_stack(layers, norm, x, rot.span(5, 1, torch.float32, "cpu"), caches, 5)
+        assert not torch.allclose(before, after)
+
+
+def test_cache_overflow_is_an_error_not_a_write_past_the_end():
+    layers, norm = make_stack(torch.float32, "plain")
+    rot = Rotary(HEAD_DIM, 10000.0)
+    caches = new_caches(capacity=4)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="KV cache overflow"):
+        run_stack(layers, norm, torch.randn(1, 1, DIM), rot.span(4, 1, torch.float32, "cpu"), caches, 4)
+
+
+def test_where_the_compiled_step_does_not_apply():
+    layers, norm = make_stack(torch.float32, "plain")
+    caches = new_caches()
+    assert native.stack_step(layers, norm, torch.randn(1, 2, DIM), caches) is None  # several positions
+    assert native.stack_step(layers, norm, torch.randn(2, 1, DIM), caches) is None  # several sequences
+    half_layers, half_norm = make_stack(torch.float16, "plain")
+    assert native.stack_step(half_layers, half_norm, torch.randn(1, 1, DIM, dtype=torch.float16), caches) is None
+    unfused = nn.ModuleList(Block(DIM, HEADS, KV_HEADS, HEAD_DIM, INNER, 1e-6) for _ in range(3))
+    assert native.stack_step(unfused, RMSNorm(DIM, 1e-6), torch.randn(1, 1, DIM), caches) is None
+
+
+def test_build_is_cached_and_a_missing_compiler_is_named(tmp_path):
+    first = native.build(target_dir=tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert native.build(target_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    with pytest.raises(RuntimeError, match="no-such-cc"):
+        native.build(compiler="no-such-cc", target_dir=tmp_path / "other")
+
+
+def test_without_a_compiler_the_engine_warns_once_and_runs_eager(tiny_checkpoints, monkeypatch, tmp_path):
+    opts = dict(voice="serena", language="english", do_sample=False, subtalker_dosample=False, max_new_tokens=12)
+    compiled = Engine.load(tiny_checkpoints["0.6B-custom"]).synthesize("Hello there.", **opts)
+    monkeypatch.setenv("CC", "no-such-cc")
+    monkeypatch.setenv("KAZEIA_CACHE", str(tmp_path))  # nothing cached there: a build is needed
+    native.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no-such-cc"):
+            assert native.library() is None
+        eager = Engine.load(tiny_checkpoints["0.6B-custom"]).synthesize("Hello there.", **opts)
+    finally:
+        native.library.cache_clear()
+    np.testing.assert_array_equal(eager.codes, compiled.codes)
+    np.testing.assert_allclose(eager.audio, compiled.audio, atol=1e-4)
+
+
+def test_kazeia_native_0_turns_it_off(monkeypatch):
+    monkeypatch.setenv("KAZEIA_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        assert native.library() is None
+        layers, norm = make_stack(torch.float32, "plain")
+        assert native.stack_step(layers, norm, torch.randn(1, 1, DIM), new_caches()) is None
+    finally:
+        native.library.cache_clear()
