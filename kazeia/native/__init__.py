@@ -27,7 +27,7 @@ import torch
 SOURCE = Path(__file__).with_name("decode.c")
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def enabled() -> bool:
@@ -96,6 +96,7 @@ def library() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
+    lib.has_float16.argtypes, lib.has_float16.restype = [], ctypes.c_int
     return lib
 
 
@@ -191,6 +192,8 @@ def stack_step(layers, norm, x: torch.Tensor, cache) -> StackStep | None:
         return step
     lib = library()
     if lib is None or not _supported(layers, x.dtype):
+        return None
+    if x.dtype == torch.float16 and not lib.has_float16():
         return None
     _STEPS[layers] = step = StackStep(lib, layers, norm, x.dtype)
     return step

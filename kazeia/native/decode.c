@@ -7,7 +7,8 @@
 
    Rounding follows the eager code (kazeia/layers.py): every value the eager path stores in the
    activation dtype is rounded to it here at the same place, so bfloat16 results differ from it by
-   summation order only. `dt` is 0 for float32 activations and 1 for bfloat16 (stored as uint16).
+   summation order only. `dt` is 0 for float32 activations, 1 for bfloat16 (stored as uint16), 2
+   for float16 (where the compiler has _Float16, see `has_float16`).
    Keys and values are cached in float32, layout (kv_heads, capacity, head_dim).
 
    Built at first use by the system C compiler; no Python headers, no PyTorch headers. */
@@ -31,18 +32,36 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch do
     return (uint16_t)(u >> 16);
 }
 
+#ifdef __FLT16_MAX__ /* the compiler has IEEE half precision (conversions round to nearest even) */
+typedef _Float16 half;
+int has_float16(void) { return 1; }
+#else
+typedef uint16_t half; /* never used: the caller checks has_float16() */
+int has_float16(void) { return 0; }
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
 static inline float load(const void *p, long i, int dt) {
-    return dt ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    if (dt == BF16) return from_bf16(((const uint16_t *)p)[i]);
+    if (dt == F16) return (float)((const half *)p)[i];
+    return ((const float *)p)[i];
 }
 
 static inline void store(void *p, long i, float v, int dt) {
-    if (dt)
+    if (dt == BF16)
         ((uint16_t *)p)[i] = to_bf16(v);
+    else if (dt == F16)
+        ((half *)p)[i] = (half)v;
     else
         ((float *)p)[i] = v;
 }
 
-static inline float rnd(float v, int dt) { return dt ? from_bf16(to_bf16(v)) : v; }
+static inline float rnd(float v, int dt) {
+    if (dt == BF16) return from_bf16(to_bf16(v));
+    if (dt == F16) return (float)(half)v;
+    return v;
+}
 
 /* 1 / sqrt(mean(x^2) + eps) over n values (the RMSNorm factor, in float32). */
 /* sum of a[i] * b[i] in 16 interleaved partial sums (a form the compiler vectorizes as written). */
