@@ -3,6 +3,9 @@
     python benchmarks/bench.py [--size 0.6B] [--dtypes float32,bfloat16,int8] [--frames 50]
                                [--threads N] [--repeats 3] [--reference] [--json out.json]
 
+A configuration in `--dtypes` is the weights' dtype, optionally with the vocoder's after a slash
+(`bfloat16/bfloat16`; float32 otherwise).
+
 Each configuration runs in its own process (clean peak RSS) on the same cached checkpoint, text,
 frame count and thread count: greedy decoding with EOS suppressed, so every run generates exactly
 `--frames` frames; every timing is the best of `--repeats` runs (noise on a shared machine only
@@ -26,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, real_checkpoint
+from common import machine, precisions, real_checkpoint
 
 TEXT = "Kazeia reads every weight once per frame, so its speed is set by memory bandwidth."
 VOICE, LANGUAGE = "serena", "english"
@@ -51,7 +54,7 @@ def run_kazeia(path: Path, dtype: str, frames: int, repeats: int) -> dict:
     from kazeia.generate import FrameStats
 
     start = time.perf_counter()
-    engine = Engine.load(path, dtype=dtype)
+    engine = Engine.load(path, **precisions(dtype))
     load_s = time.perf_counter() - start
     options = dict(voice=VOICE, language=LANGUAGE, do_sample=False, subtalker_dosample=False, ignore_eos=True)
     engine.synthesize(TEXT, max_new_tokens=3, **options)  # warm-up

@@ -22,6 +22,12 @@ def real_checkpoint(size: str = "0.6B", kind: str = "custom_voice") -> Path:
     return path
 
 
+def precisions(config: str) -> dict:
+    """A configuration of `--dtypes`: "DTYPE" or "DTYPE/VOCODER_DTYPE" -> Engine.load keywords."""
+    dtype, _, vocoder = config.partition("/")
+    return {"dtype": dtype, "vocoder_dtype": vocoder or "float32"}
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:

@@ -2,6 +2,8 @@
 
     python benchmarks/quality.py [--size 0.6B] [--dtypes bfloat16,float16,int8] [--frames 50]
 
+(`DTYPE/VOCODER_DTYPE` in `--dtypes` also runs the vocoder reduced, e.g. `bfloat16/bfloat16`.)
+
 Teacher-forced talker and code-predictor logits (relative error, top-1 agreement), free-running
 greedy code agreement, and vocoder SNR; then int8's errors as a multiple of bfloat16's (the yardstick:
 bfloat16 is the precision the model's authors run it in).
@@ -16,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, real_checkpoint
+from common import machine, precisions, real_checkpoint
 
 from kazeia import Engine
 from kazeia.testing.quality import compare
@@ -35,12 +37,13 @@ def main() -> None:
     baseline = Engine.load(path)
     results = {}
     for dtype in args.dtypes.split(","):
-        results[dtype] = asdict(compare(Engine.load(path, dtype=dtype), baseline, TEXT, args.frames, voice="serena"))
+        engine = Engine.load(path, **precisions(dtype))
+        results[dtype] = asdict(compare(engine, baseline, TEXT, args.frames, voice="serena"))
     print(f"{args.size} CustomVoice, real dimensions, random weights, {args.frames} frames; {json.dumps(machine())}")
     keys = list(next(iter(results.values())))
-    print(f"{'dtype':<10}" + "".join(f"{k:>22}" for k in keys))
+    print(f"{'dtype':<18}" + "".join(f"{k:>22}" for k in keys))
     for dtype, q in results.items():
-        print(f"{dtype:<10}" + "".join(f"{q[k]:>22.4f}" for k in keys))
+        print(f"{dtype:<18}" + "".join(f"{q[k]:>22.4f}" for k in keys))
     if "int8" in results and "bfloat16" in results:
         b, i = results["bfloat16"], results["int8"]
         print(

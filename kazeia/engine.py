@@ -94,8 +94,9 @@ class Engine:
 
         dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16" | "int8" (CPU:
             per-channel int8 weights quantized at load, dynamic int8 activations; see kazeia/quant.py).
-        vocoder_dtype: the speech-tokenizer decoder; float32 by default (CPU convolution kernels in
-            half precision are far slower, see docs/design.md).
+        vocoder_dtype: the speech-tokenizer decoder; float32 by default for exact audio. "bfloat16"
+            runs its convolutions about twice as fast on CPUs with bfloat16 dot products (AVX512_BF16,
+            AMX) at ~27 dB SNR against float32 (BENCHMARKS.md); elsewhere half precision is slower.
         tokenizer_regex: "qwen2" (standard) or "reference-local" (the split regex the reference
             package uses when it loads from a local directory; see kazeia/text.py).
         threads: CPU threads for torch's kernels (process-wide: `torch.set_num_threads`). Default:
