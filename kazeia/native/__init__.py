@@ -1,7 +1,7 @@
 """Compiled decode steps: one decoder-stack step at batch 1 with the glue between products in C.
 
 The matrix products stay with PyTorch (oneDNN / int8 GEMM modules); the norms, rotation, KV-cache
-write, attention and SiLU of each layer run as three calls into `decode.c`, which the system C
+write, attention and SiLU of each layer run as four calls into `decode.c`, which the system C
 compiler builds once per machine into `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no
 compiler is found or the build fails, `library()` returns None with one warning and the eager code
 runs instead; `KAZEIA_NATIVE=0` turns this path off.

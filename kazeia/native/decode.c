@@ -2,8 +2,8 @@
 
    Eager PyTorch spends some 25 small operations on it per layer (norms, rotation, cache write,
    attention, SiLU, residual adds), each costing far more to dispatch than to compute; 103 layer
-   steps per frame made that the largest cost above the weight reads. Here it is three plain loops
-   per layer, called through ctypes (kazeia/native/__init__.py).
+   steps per frame made that the largest cost above the weight reads. Here it is four calls of the
+   three functions below per layer, through ctypes (kazeia/native/__init__.py).
 
    Rounding follows the eager code (kazeia/layers.py): every value the eager path stores in the
    activation dtype is rounded to it here at the same place, so bfloat16 results differ from it by
