@@ -296,11 +296,21 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def pack_linears(module: nn.Module, after_each: Callable[[], None] | None = None) -> None:
-    """Replace every nn.Linear inside `module` by a PackedLinear, in place (one weight at a time);
-    `after_each` runs after each parent module's linears are replaced."""
+    """Replace every nn.Linear inside `module` by a PackedLinear, in place (one weight at a time)."""
+    replace_linears(module, PackedLinear, after_each)
+
+
+def replace_linears(
+    module: nn.Module, convert: Callable[[nn.Linear], nn.Module], after_each: Callable[[], None] | None = None
+) -> None:
+    """Replace every nn.Linear inside `module` by `convert(linear)`, in place, one at a time;
+    `after_each` runs after each parent module's linears are replaced (loading passes one that
+    returns freed memory to the OS)."""
+    # Collect the parents only: a list of every module would keep each old weight alive until the
+    # end, so all converted copies would pile up next to all originals at the peak.
     parents = [m for m in module.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
     for parent in parents:
         for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
-            setattr(parent, name, PackedLinear(getattr(parent, name)))
+            setattr(parent, name, convert(getattr(parent, name)))
         if after_each is not None:
             after_each()

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .layers import replace_linears
+
 INT8_MAX = 127.0
 # The int8 GEMM's C++ entry point. Calling the op overload itself first walks the arguments in
 # Python looking for fake script objects (a tracing feature, ~5 us per call here, 400+ calls per
@@ -107,16 +109,5 @@ class QuantEmbedding(nn.Module):
 
 
 def quantize_linears(module: nn.Module, after_each: Callable[[], None] | None = None) -> None:
-    """Replace every nn.Linear inside `module` by a QuantLinear, in place; `after_each` runs after
-    each parent module's linears are replaced."""
-    # Collect the parents only: a list of every module would keep each float weight alive until the
-    # end, so all int8 copies would pile up next to all float weights at the peak.
-    parents = [m for m in module.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
-    for parent in parents:
-        names = [name for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-        for name in names:
-            child = getattr(parent, name)
-            setattr(parent, name, QuantLinear.from_float(child.weight, child.bias))
-            del child
-        if after_each is not None:
-            after_each()
+    """Replace every nn.Linear inside `module` by a QuantLinear, in place (one weight at a time)."""
+    replace_linears(module, lambda linear: QuantLinear.from_float(linear.weight, linear.bias), after_each)
