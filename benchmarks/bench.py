@@ -247,7 +247,7 @@ def spawn(kind: str, path: Path, dtype: str, frames: int, threads: int | None, r
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def report(results: dict, floors: dict, bandwidth: dict, args) -> None:
+def report(results: dict, bandwidth: dict, args) -> None:
     cols = [
         ("talker_ms", "talker ms/f"),
         ("predictor_ms", "predictor ms/f"),
@@ -327,7 +327,7 @@ def main() -> None:
     bandwidth = {d: r["gemv_gbps"] for d, r in zip(dtypes, results.values(), strict=True) if "gemv_gbps" in r}
     if args.reference:
         results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads, args.repeats)
-    report(results, {}, bandwidth, args)
+    report(results, bandwidth, args)
     if args.json:
         payload = {
             "machine": machine(),
