@@ -123,17 +123,29 @@ def _products(engine) -> tuple[list, list, list]:
 def products_only(engine) -> float:
     """Seconds for one frame's matrix products alone, back to back: the same weights, kernels and
     shapes as generation with nothing else in between. This is the floor generation is held to."""
+    from kazeia.quant import LINEAR_DYNAMIC, QuantLinear
+
     per_frame, per_group, heads = _products(engine)
     dtype = engine.model.talker.norm.weight.dtype  # activations (float32 for int8 weights)
-    x = {m.in_features: torch.randn(1, 1, m.in_features, dtype=dtype) for m in per_frame + per_group + heads}
+    modules = per_frame + per_group + heads
+    x = {m.in_features: torch.randn(1, 1, m.in_features, dtype=dtype) for m in modules}
+    two = {m.in_features: torch.randn(2, m.in_features) for m in modules}
+
+    def product(m):  # the kernel call alone: int8 products run the GEMM on two activation rows
+        if isinstance(m, QuantLinear):
+            return lambda: LINEAR_DYNAMIC(two[m.in_features], m.packed, m.reduce_range)
+        return lambda: m(x[m.in_features])
+
+    frame, group = [product(m) for m in per_frame], [product(m) for m in per_group]
+    head_calls = [product(m) for m in heads]
     with torch.inference_mode():
         start = time.perf_counter()
-        for m in per_frame:
-            m(x[m.in_features])
-        for head in heads:
-            for m in per_group:
-                m(x[m.in_features])
-            head(x[head.in_features])
+        for call in frame:
+            call()
+        for head in head_calls:
+            for call in group:
+                call()
+            head()
         return time.perf_counter() - start
 
 

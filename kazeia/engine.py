@@ -93,7 +93,8 @@ class Engine:
         """Load a local checkpoint directory or a hub id (downloaded once into the hub cache).
 
         dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16" | "int8" (CPU:
-            per-channel int8 weights quantized at load, dynamic int8 activations; see kazeia/quant.py).
+            per-channel int8 weights quantized at load, float32 activations sent to the int8 GEMM
+            as two 8-bit rows; see kazeia/quant.py).
         vocoder_dtype: the speech-tokenizer decoder; float32 by default for exact audio. "bfloat16"
             runs its convolutions about twice as fast on CPUs with bfloat16 dot products (AVX512_BF16,
             AMX) at ~27 dB SNR against float32 (BENCHMARKS.md); elsewhere half precision is slower.

@@ -2,25 +2,40 @@
 
 Linear layers: weights quantized per output channel (symmetric, one float scale per row) at load
 time and run with the CPU's dynamic-activation int8 GEMM (`torch.ops.quantized.linear_dynamic`,
-fbgemm/oneDNN): the activation vector is quantized on the fly, products accumulate in int32 and are
-rescaled to float32. Embedding tables: int8 rows with one scale per row, dequantized on lookup
-(only the looked-up rows are ever read). Everything else (norms, activations, KV caches) stays
-float32. Non-goal: int8 for the vocoder, which is compute-bound and stays float32.
+fbgemm): it quantizes its float32 input to 8 bits on the fly (one scale for the whole input),
+accumulates in int32 and rescales to float32. Embedding tables: int8 rows with one scale per row,
+dequantized on lookup (only the looked-up rows are ever read). Everything else (norms, activations,
+KV caches) stays float32. Non-goal: int8 for the vocoder, which is compute-bound and stays float32.
+
+Activations in two rows. Rounding activations to 8 bits costs as much accuracy as rounding the
+weights (each ~0.8% of a product on the real-size model), more for heavy-tailed inputs such as the
+MLP's down projection. So each input x is sent with a second row: its rounding residual
+x - Q(x), where Q is the GEMM's own 8-bit grid, scaled up by a power of two f chosen so that the
+second row stays inside the first row's range (the GEMM then picks the same grid for both rows).
+The output is row 0 + row 1 / f: the activation error shrinks by f (typically 128) and what is
+left is the weights' rounding. A batch-1 GEMM reads each weight once however many rows it
+multiplies, so the second row costs no measurable time (BENCHMARKS.md). `split_rows` is the
+reference; kazeia/native/decode.c (`residual_row`, `combine_rows`) does the same for the compiled
+decode step, value for value.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
+from . import native
 from .layers import replace_linears
 
 INT8_MAX = 127.0
+MAX_EXPONENT = 17  # residual factors up to 2^16 (decode.c has the same bound)
 # The int8 GEMM's C++ entry point. Calling the op overload itself first walks the arguments in
 # Python looking for fake script objects (a tracing feature, ~5 us per call here, 400+ calls per
 # frame); the packed weight is always a real one, so the binding is called directly when present.
@@ -44,19 +59,59 @@ def needs_reduced_range() -> bool:
     return not any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
+def activation_scale(low: float, high: float, levels: int) -> float:
+    """The GEMM's step for an input whose values span [low, high]: the range widened to hold 0,
+    over `levels` steps (255, or 127 with the reduced range), as a float32 value."""
+    return float(np.float32((max(high, 0.0) - min(low, 0.0)) / levels))
+
+
+def residual_factor(low: float, high: float, largest_residual: float) -> float:
+    """The largest power of two f <= 2^16 with f * largest_residual inside [low, high] on both
+    sides of 0 (so the scaled residual row leaves the input's range unchanged); 0 when no f >= 2
+    fits. (Past 2^8 a larger f gains nothing; the cap keeps f * residual finite in float32.)"""
+    room = min(-low, high)
+    if not largest_residual > 0 or not room > 0 or not math.isfinite(room / largest_residual):
+        return 0.0
+    _, exponent = math.frexp(room / largest_residual)  # room / r = m * 2**exponent, 0.5 <= m < 1
+    return math.ldexp(1.0, min(exponent, MAX_EXPONENT) - 1) if exponent >= 2 else 0.0
+
+
+def split_rows(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, float]:
+    """x (M, K) float32 -> (x stacked over f * (x - Q(x)), f), or (x, 0.0) where no f fits.
+
+    Q(x) rounds to the grid the GEMM will use for x: multiples of `activation_scale` (x times the
+    float32 reciprocal of the step, rounded half to even)."""
+    low, high = (float(v) for v in torch.aminmax(x))
+    scale = activation_scale(low, high, levels)
+    if not scale > 0 or not math.isfinite(scale):
+        return x, 0.0
+    inverse = float(np.float32(1.0) / np.float32(scale))
+    residual = x - torch.round(x * inverse) * scale
+    factor = residual_factor(low, high, float(residual.abs().max()))
+    if factor == 0.0:
+        return x, 0.0
+    return torch.cat((x, residual.mul_(factor))), factor
+
+
 def _row_scales(weight: torch.Tensor) -> torch.Tensor:
     """Symmetric per-row scales: max |w| of each row / 127 (float32, (rows,))."""
     return weight.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T + b with W stored int8 per output channel; x and y are float32."""
+    """y = x @ W.T + b with W stored int8 per output channel; x, y and b are float32.
 
-    def __init__(self, packed, in_features: int, out_features: int):
+    Each product runs the int8 GEMM on two rows (`split_rows`): the activation error is ~f times
+    smaller than one 8-bit row's, at the same weight reads."""
+
+    def __init__(self, packed, bias: torch.Tensor | None, in_features: int, out_features: int):
         super().__init__()
-        self.packed = packed  # prepacked int8 weight + float bias for the int8 GEMM (opaque)
+        self.packed = packed  # prepacked int8 weight for the int8 GEMM (opaque; the bias is kept apart)
+        self.register_buffer("bias", bias)
         self.in_features, self.out_features = in_features, out_features
         self.reduce_range = needs_reduced_range()
+        self.levels = 127 if self.reduce_range else 255  # steps of the GEMM's activation grid
+        self._single_row = None  # the compiled product for one-row calls, or False (set at first use)
 
     @classmethod
     @torch.no_grad()
@@ -69,12 +124,51 @@ class QuantLinear(nn.Module):
             # still the fastest int8 path on CPUs (see BENCHMARKS.md). Revisit when it is removed.
             warnings.simplefilter("ignore", UserWarning)
             q = torch.quantize_per_channel(w, scales.double(), zero, 0, torch.qint8)
-        packed = torch.ops.quantized.linear_prepack(q, None if bias is None else bias.detach().float())
-        return cls(packed, w.shape[1], w.shape[0])
+        packed = torch.ops.quantized.linear_prepack(q, None)
+        # The bias is added once, after the two rows are combined (the GEMM would add it to both).
+        b = None if bias is None else bias.detach().float().clone()
+        return cls(packed, b, w.shape[1], w.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) float32 -> (..., out); the GEMM flattens leading dimensions itself."""
-        return LINEAR_DYNAMIC(x, self.packed, self.reduce_range)
+        """x (..., in) float32 -> (..., out). One row goes through the compiled product where the
+        native library is available (a third of the time of the PyTorch operations for it)."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 1:
+            if self._single_row is None:
+                lib = native.library()
+                self._single_row = self.compiled(lib) if lib is not None else False
+            if self._single_row:
+                y = self._single_row(torch.cat((rows, rows)))  # row 1 is overwritten with the residual
+                return y[:1].view(*x.shape[:-1], self.out_features)
+        return self.eager(rows).view(*x.shape[:-1], self.out_features)
+
+    def eager(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (M, in) float32 -> (M, out), with PyTorch operations only."""
+        n = rows.shape[0]
+        stacked, factor = split_rows(rows, self.levels)
+        y = LINEAR_DYNAMIC(stacked, self.packed, self.reduce_range)
+        if factor:
+            y = y[:n] + y[n:] * (1.0 / factor)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def compiled(self, lib) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This product for the compiled decode step (kazeia/native): `rows` (2, in) float32 holds
+        the activation in row 0; the result is row 0 of the returned (2, out) tensor. The same
+        values as `eager`, with the residual row and the combination done by decode.c."""
+        packed, reduce_range, levels, bias = self.packed, self.reduce_range, self.levels, self.bias
+        n_in, n_out = self.in_features, self.out_features
+        bias_ptr = None if bias is None else bias.data_ptr()
+        residual_row, combine_rows = lib.residual_row, lib.combine_rows
+
+        def product(rows: torch.Tensor) -> torch.Tensor:
+            factor = residual_row(rows.data_ptr(), n_in, levels)
+            y = LINEAR_DYNAMIC(rows, packed, reduce_range)
+            combine_rows(y.data_ptr(), n_out, 1.0 / factor if factor else 0.0, bias_ptr)
+            return y
+
+        return product
 
 
 class QuantEmbedding(nn.Module):

@@ -8,8 +8,8 @@ from kazeia.quant import QuantEmbedding, QuantLinear
 from kazeia.testing.quality import compare, teacher_forced_logits
 
 TEXT = "The quality guard compares every precision with float32."
-# Bounds on the tiny random checkpoints (measured: bfloat16 ~0.6% / ~98% top-1, int8 ~1.2-3% / >93%).
-BOUNDS = {"bfloat16": (0.02, 0.93), "float16": (0.005, 0.98), "int8": (0.06, 0.85)}
+# Bounds on the tiny random checkpoints (measured: bfloat16 ~0.6% / ~98% top-1, int8 ~0.7-1.6% / >96%).
+BOUNDS = {"bfloat16": (0.02, 0.93), "float16": (0.005, 0.98), "int8": (0.03, 0.9)}
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,12 @@ def test_reduced_precision_stays_close_to_float32(qualities, name, dtype):
 
 
 @pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
-def test_int8_error_is_within_a_few_times_bfloat16(qualities, name):
-    """The yardstick: int8 error relative to bfloat16's (the real-size report is in BENCHMARKS.md)."""
+def test_int8_error_is_within_twice_bfloat16(qualities, name):
+    """The yardstick: int8 error at most twice bfloat16's (measured here: x1.2-1.4 for the talker,
+    x1.6-1.8 for the code predictor; the real-size report is in BENCHMARKS.md)."""
     bf16, int8 = qualities[name, "bfloat16"], qualities[name, "int8"]
-    assert int8.talker_rel_error < 4 * bf16.talker_rel_error
-    assert int8.predictor_rel_error < 6 * bf16.predictor_rel_error
+    assert int8.talker_rel_error < 2 * bf16.talker_rel_error
+    assert int8.predictor_rel_error < 2 * bf16.predictor_rel_error
 
 
 def test_teacher_forcing_reproduces_free_running_greedy(engines):

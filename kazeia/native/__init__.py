@@ -1,7 +1,8 @@
 """Compiled decode steps: one decoder-stack step at batch 1 with the glue between products in C.
 
 The matrix products stay with PyTorch (oneDNN / int8 GEMM modules); the norms, rotation, KV-cache
-write, attention and SiLU of each layer run as four calls into `decode.c`, which the system C
+write, attention and SiLU of each layer run as four calls into `decode.c` (int8 products add two
+more each: their second activation row, see kazeia/quant.py), which the system C
 compiler builds once per machine into `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no
 compiler is found or the build fails, `library()` returns None with one warning and the eager code
 runs instead; `KAZEIA_NATIVE=0` turns this path off.
@@ -76,10 +77,13 @@ def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
 
 
 _P, _INT, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-SIGNATURES = {  # argument types of decode.c's functions (pointers are tensors' data_ptr())
-    "add_rms_norm": [_P, _P, _P, _P, _INT, _F, _INT],
-    "attend": [*[_P] * 8, *[_INT] * 5, _F, _INT],
-    "silu_mul": [_P, _P, _INT, _INT],
+SIGNATURES = {  # argument and result types of decode.c's functions (pointers: tensors' data_ptr())
+    "add_rms_norm": ([_P, _P, _P, _P, _INT, _F, _INT], None),
+    "attend": ([*[_P] * 8, *[_INT] * 5, _F, _INT], None),
+    "silu_mul": ([_P, _P, _INT, _INT], None),
+    "residual_row": ([_P, _INT, _INT], _F),
+    "combine_rows": ([_P, _INT, _F, _P], None),
+    "has_float16": ([], _INT),
 }
 
 
@@ -93,19 +97,21 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         warnings.warn(f"kazeia: compiled decode steps unavailable, using eager PyTorch ({err})", stacklevel=2)
         return None
-    for name, args in SIGNATURES.items():
+    for name, (args, result) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
-    lib.has_float16.argtypes, lib.has_float16.restype = [], ctypes.c_int
+        fn.argtypes, fn.restype = args, result
     return lib
 
 
 class StackStep:
     """One position through a stack of fused `layers.Block`s and its final norm, batch 1.
 
-    Built once per stack (`stack_step`); holds the norms' weights and the products' `forward`s. Each
-    layer is: qkv product, `attend`, output product, `add_rms_norm`, gate/up product, `silu_mul`,
-    down product, `add_rms_norm` (which also applies the next layer's input norm or the final one).
+    Built once per stack (`stack_step`); holds the norms' weights and the products. Each layer is:
+    qkv product, `attend`, output product, `add_rms_norm`, gate/up product, `silu_mul`, down
+    product, `add_rms_norm` (which also applies the next layer's input norm or the final one).
+    Products' inputs are (rows, features) buffers whose row 0 the C code writes: one row for float
+    products (their `forward`), two for int8 ones (`QuantLinear.compiled`); a product's result is
+    row 0 of what it returns.
     """
 
     def __init__(self, lib: ctypes.CDLL, layers, norm, dtype: torch.dtype):
@@ -119,17 +125,20 @@ class StackStep:
         norms = [layer.input_layernorm.weight for layer in layers] + [norm.weight]
         self.keep = []  # the tensors whose addresses are held below
         self.first_norm, self.last_norm = self._address(norms[0]), norms[-1].data_ptr()
+        products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                    for layer in layers]  # fmt: skip
+        self.rows = 2 if any(hasattr(p, "compiled") for four in products for p in four) else 1
+        product = lambda p: p.compiled(lib) if hasattr(p, "compiled") else p.forward  # noqa: E731
         self.layers = []
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        for i, (layer, (qkv, o_proj, gate_up, down)) in enumerate(zip(layers, products, strict=True)):
             self.layers.append(
                 (
-                    attn.qkv_proj.forward,
-                    self._address(attn.qk_norm_weight),
-                    attn.o_proj.forward,
+                    product(qkv),
+                    self._address(layer.self_attn.qk_norm_weight),
+                    product(o_proj),
                     self._address(layer.post_attention_layernorm.weight),
-                    mlp.gate_up_proj.forward,
-                    mlp.down_proj.forward,
+                    product(gate_up),
+                    product(down),
                     self._address(norms[i + 1]),
                 )
             )
@@ -153,9 +162,9 @@ class StackStep:
         if start >= capacity:
             raise RuntimeError(f"KV cache overflow: position {start + 1} > capacity {capacity}")
         h = x.reshape(H).clone()  # the residual stream, updated in place
-        normed = torch.empty(1, 1, H, dtype=dtype)
-        attended = torch.empty(1, 1, nq * hd, dtype=dtype)
-        activated = torch.empty(1, 1, self.inner, dtype=dtype)
+        normed = torch.empty(self.rows, H, dtype=dtype)
+        attended = torch.empty(self.rows, nq * hd, dtype=dtype)
+        activated = torch.empty(self.rows, self.inner, dtype=dtype)
         scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
         hp, np_, ap, mp, sp = (t.data_ptr() for t in (h, normed, attended, activated, scratch))
         cos, sin = (t.data_ptr() for t in rope)
@@ -174,7 +183,7 @@ class StackStep:
             lib.silu_mul(y.data_ptr(), mp, self.inner, dt)
             y = down(activated)
             lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, H, eps, dt)
-        return normed
+        return normed[:1].view(1, 1, H)
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -169,3 +169,72 @@ void silu_mul(const void *gate_up, void *out, int n, int dt) {
         store(out, i, s * load(gate_up, (long)n + i, dt), dt);
     }
 }
+
+/* The int8 products' second activation row (kazeia/quant.py, `split_rows`, value for value).
+   rows: 2 x n float32, the activation x in row 0. Row 1 := f * (x - Q(x)), where Q rounds to the
+   int8 GEMM's grid for x (multiples of its step) and f is the largest power of two keeping row 1
+   inside x's range on both sides of 0 (at most 2^16); returns f, or 0 with row 1 zeroed where no
+   f >= 2 fits. */
+enum { MAX_EXPONENT = 17 }; /* factors up to 2^16: more buys nothing, and stays finite in float32 */
+
+float residual_row(float *rows, int n, int levels) {
+    /* Reductions in 16 lanes (vectorized as written); min, max and max |r| do not depend on order. */
+    float lo[16], hi[16], big[16];
+    for (int l = 0; l < 16; l++) lo[l] = hi[l] = rows[0], big[l] = 0.0f;
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) {
+            lo[l] = rows[i + l] < lo[l] ? rows[i + l] : lo[l];
+            hi[l] = rows[i + l] > hi[l] ? rows[i + l] : hi[l];
+        }
+    for (; i < n; i++) {
+        lo[0] = rows[i] < lo[0] ? rows[i] : lo[0];
+        hi[0] = rows[i] > hi[0] ? rows[i] : hi[0];
+    }
+    float low = lo[0], high = hi[0];
+    for (int l = 1; l < 16; l++) {
+        low = lo[l] < low ? lo[l] : low;
+        high = hi[l] > high ? hi[l] : high;
+    }
+    float *res = rows + n;
+    const float scale = (float)(((double)(high > 0.0f ? high : 0.0f) - (double)(low < 0.0f ? low : 0.0f)) / levels);
+    if (!(scale > 0.0f) || !isfinite(scale)) {
+        memset(res, 0, sizeof(float) * (size_t)n);
+        return 0.0f;
+    }
+    /* x * inverse lies within +-levels: adding and removing 1.5 * 2^23 rounds it to an integer,
+       half to even (torch.round), in a form the compiler vectorizes. */
+    const float inverse = 1.0f / scale, magic = 12582912.0f;
+    for (i = 0; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) {
+            float r = rows[i + l] - ((rows[i + l] * inverse + magic) - magic) * scale;
+            res[i + l] = r;
+            r = r < 0.0f ? -r : r;
+            big[l] = r > big[l] ? r : big[l];
+        }
+    for (; i < n; i++) {
+        float r = rows[i] - ((rows[i] * inverse + magic) - magic) * scale;
+        res[i] = r;
+        r = r < 0.0f ? -r : r;
+        big[0] = r > big[0] ? r : big[0];
+    }
+    float largest = 0.0f;
+    for (int l = 0; l < 16; l++) largest = big[l] > largest ? big[l] : largest;
+    float factor = 0.0f;
+    const double room = (double)(-low < high ? -low : high);
+    if (largest > 0.0f && room > 0.0 && isfinite(room / largest)) {
+        int exponent;
+        frexp(room / largest, &exponent);
+        if (exponent >= 2) factor = (float)ldexp(1.0, (exponent < MAX_EXPONENT ? exponent : MAX_EXPONENT) - 1);
+    }
+    for (i = 0; i < n; i++) res[i] = factor > 0.0f ? res[i] * factor : 0.0f;
+    return factor;
+}
+
+/* y: 2 x n float32 outputs of the two rows -> row 0 := row 0 + row 1 * inverse (+ bias). */
+void combine_rows(float *y, int n, float inverse, const float *bias) {
+    for (int i = 0; i < n; i++) {
+        float v = y[i] + y[n + i] * inverse;
+        y[i] = bias ? v + bias[i] : v;
+    }
+}

@@ -1,0 +1,99 @@
+"""int8 products (kazeia/quant.py): two activation rows make the product as accurate as its int8
+weights, where one 8-bit row adds an activation error of the same size again."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from kazeia.quant import LINEAR_DYNAMIC, QuantLinear, activation_scale, residual_factor, split_rows
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The weights an int8 layer really multiplies by: per-row symmetric rounding, independently."""
+    scales = weight.abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(weight / scales) * scales
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+INPUTS = {
+    "gaussian": lambda g: torch.randn(1, 512, generator=g),
+    "heavy-tailed": lambda g: torch.randn(1, 512, generator=g) * torch.randn(1, 512, generator=g),
+    "several rows": lambda g: torch.randn(5, 512, generator=g),
+    "offset": lambda g: torch.randn(1, 512, generator=g) + 1.5,
+}
+
+
+@pytest.mark.parametrize("kind", list(INPUTS))
+def test_two_rows_leave_only_the_weights_rounding(kind):
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(384, 512, generator=g), torch.randn(384, generator=g)
+    layer = QuantLinear.from_float(weight, bias)
+    x = INPUTS[kind](g)
+    with torch.inference_mode():
+        got = layer(x)
+        exact = x @ dequantized(weight).T + bias  # the int8 weights in float, float activations
+        one_row = LINEAR_DYNAMIC(x, layer.packed, layer.reduce_range) + bias
+    weights_error = rel(x @ weight.T + bias, exact)  # ~0.5-0.8%: int8 weights
+    assert weights_error > 3e-3
+    assert rel(one_row, exact) > 0.3 * weights_error  # one 8-bit row: an error of the same order
+    assert rel(got, exact) < 0.02 * weights_error  # two rows: ~f times less
+
+
+def test_split_rows_keeps_the_range_and_scales_the_residual_by_a_power_of_two():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 256, generator=g)
+    stacked, factor = split_rows(x, 255)
+    assert stacked.shape == (6, 256) and torch.equal(stacked[:3], x)
+    assert factor >= 2 and math.frexp(factor)[0] == 0.5  # a power of two
+    residual = stacked[3:] / factor
+    step = activation_scale(float(x.min()), float(x.max()), 255)
+    assert float(residual.abs().max()) <= step / 2 * (1 + 1e-6)  # a rounding residual on the grid
+    assert float(stacked[3:].min()) >= float(x.min()) and float(stacked[3:].max()) <= float(x.max())
+    assert torch.allclose(torch.round((x - residual) / step), (x - residual) / step, atol=1e-3)
+
+
+def test_inputs_without_room_fall_back_to_one_row():
+    positive = torch.rand(1, 64) + 0.5  # no negative side: a residual row would widen the range
+    assert split_rows(positive, 255) == (positive, 0.0)
+    zeros = torch.zeros(2, 64)
+    stacked, factor = split_rows(zeros, 255)
+    assert factor == 0.0 and stacked is zeros
+    layer = QuantLinear.from_float(torch.randn(8, 64), torch.arange(8.0))
+    with torch.inference_mode():
+        assert torch.equal(layer(zeros), torch.arange(8.0).expand(2, 8))  # bias once, nothing else
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    low=st.floats(-100, 0, allow_subnormal=False),
+    high=st.floats(0, 100, allow_subnormal=False),
+    frac=st.floats(0, 1),
+)
+def test_residual_factor_is_the_largest_fitting_power_of_two(low, high, frac):
+    step = activation_scale(low, high, 255)
+    largest = float(np.float32(frac * step / 2))  # a float32 residual, as the products have
+    f = residual_factor(low, high, largest)
+    room = min(-low, high)
+    if f:
+        assert 2 <= f <= 2**16 and math.frexp(f)[0] == 0.5
+        assert f * largest <= room and (f == 2**16 or room < 2 * f * largest)
+    else:
+        assert largest == 0 or room < 2 * largest
+
+
+def test_quantize_keeps_bias_out_of_the_packed_weight():
+    """The bias is added once after the rows are combined (a packed bias would count twice)."""
+    layer = nn.Linear(32, 16)
+    q = QuantLinear.from_float(layer.weight, layer.bias)
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        exact = x @ dequantized(layer.weight.detach()).T + layer.bias.detach()
+        assert rel(q(x), exact) < 1e-3
