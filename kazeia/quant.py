@@ -15,8 +15,8 @@ second row stays inside the first row's range (the GEMM then picks the same grid
 The output is row 0 + row 1 / f: the activation error shrinks by f (typically 128) and what is
 left is the weights' rounding. A batch-1 GEMM reads each weight once however many rows it
 multiplies, so the second row costs no measurable time (BENCHMARKS.md). `split_rows` is the
-reference; kazeia/native/decode.c (`residual_row`, `combine_rows`) does the same for the compiled
-decode step, value for value.
+reference; kazeia/native/decode.c (`residual_row`, `combine_rows`) does the same, value for value,
+wherever the native library is available (the compiled decode step, and `QuantLinear.forward`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.reduce_range = needs_reduced_range()
         self.levels = 127 if self.reduce_range else 255  # steps of the GEMM's activation grid
-        self._single_row = None  # the compiled product for one-row calls, or False (set at first use)
+        self._compiled = None  # the compiled product, or False without the native library (first use)
 
     @classmethod
     @torch.no_grad()
@@ -130,17 +130,18 @@ class QuantLinear(nn.Module):
         return cls(packed, b, w.shape[1], w.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) float32 -> (..., out). One row goes through the compiled product where the
-        native library is available (a third of the time of the PyTorch operations for it)."""
+        """x (..., in) float32 -> (..., out). Runs the compiled product where the native library
+        is available (for one row, a third of the time of the PyTorch operations for it)."""
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 1:
-            if self._single_row is None:
-                lib = native.library()
-                self._single_row = self.compiled(lib) if lib is not None else False
-            if self._single_row:
-                y = self._single_row(torch.cat((rows, rows)))  # row 1 is overwritten with the residual
-                return y[:1].view(*x.shape[:-1], self.out_features)
-        return self.eager(rows).view(*x.shape[:-1], self.out_features)
+        if self._compiled is None:
+            lib = native.library()
+            self._compiled = self.compiled(lib) if lib is not None else False
+        if self._compiled:
+            # The copy's second half is overwritten with the residual rows.
+            y = self._compiled(torch.cat((rows, rows)))[: rows.shape[0]]
+        else:
+            y = self.eager(rows)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def eager(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (M, in) float32 -> (M, out), with PyTorch operations only."""
@@ -154,18 +155,20 @@ class QuantLinear(nn.Module):
         return y
 
     def compiled(self, lib) -> Callable[[torch.Tensor], torch.Tensor]:
-        """This product for the compiled decode step (kazeia/native): `rows` (2, in) float32 holds
-        the activation in row 0; the result is row 0 of the returned (2, out) tensor. The same
-        values as `eager`, with the residual row and the combination done by decode.c."""
+        """This product with the residual rows and the combination done by kazeia/native/decode.c,
+        for the compiled decode step and `forward`: `rows` (2m, in) float32 holds the m input rows
+        first; the result is the first m rows of the returned (2m, out) tensor. The same values as
+        `eager` (tested bit for bit)."""
         packed, reduce_range, levels, bias = self.packed, self.reduce_range, self.levels, self.bias
         n_in, n_out = self.in_features, self.out_features
         bias_ptr = None if bias is None else bias.data_ptr()
         residual_row, combine_rows = lib.residual_row, lib.combine_rows
 
         def product(rows: torch.Tensor) -> torch.Tensor:
-            factor = residual_row(rows.data_ptr(), n_in, levels)
+            m = rows.shape[0] // 2
+            factor = residual_row(rows.data_ptr(), m * n_in, levels)
             y = LINEAR_DYNAMIC(rows, packed, reduce_range)
-            combine_rows(y.data_ptr(), n_out, 1.0 / factor if factor else 0.0, bias_ptr)
+            combine_rows(y.data_ptr(), m * n_out, n_out, 1.0 / factor if factor else 0.0, bias_ptr)
             return y
 
         return product

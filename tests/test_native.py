@@ -95,22 +95,26 @@ def test_compiled_step_matches_the_eager_layers(dtype, linears):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_compiled_int8_product_is_the_eager_one_value_for_value(bias):
-    """decode.c's residual row and combination (QuantLinear.compiled, also what `forward` runs for
-    one row) against the PyTorch operations (QuantLinear.eager, quant.split_rows) on the same input:
-    bit for bit, including inputs where no factor fits."""
+    """decode.c's residual rows and combination (QuantLinear.compiled, what `forward` runs) against
+    the PyTorch operations (QuantLinear.eager, quant.split_rows) on the same input: bit for bit,
+    one row or several, including inputs where no factor fits."""
     torch.manual_seed(3)
     linear = nn.Linear(96, 40, bias=bias)
     quantize_linears(holder := nn.Sequential(linear))
     q = holder[0]
     product = q.compiled(native.library())
-    inputs = [torch.randn(96), torch.randn(96) * torch.randn(96), torch.rand(96) + 0.1, torch.zeros(96)]
+    inputs = [
+        torch.randn(1, 96),
+        torch.randn(1, 96) * torch.randn(1, 96),
+        torch.randn(5, 96),
+        torch.rand(2, 96) + 0.1,  # no room below 0: one row's arithmetic
+        torch.zeros(1, 96),
+    ]
     with torch.inference_mode():
         for x in inputs:
-            rows = torch.empty(2, 96)
-            rows[0] = x
-            got = product(rows)[0]
-            assert torch.equal(got, q.eager(x[None])[0]), x[:4]
-            assert torch.equal(q(x), got)
+            got = product(torch.cat((x, x)))[: x.shape[0]]
+            assert torch.equal(got, q.eager(x)), x[:, :4]
+            assert torch.equal(q(x[None]), got[None])
 
 
 def test_compiled_step_attends_over_the_whole_cache():

@@ -82,7 +82,7 @@ SIGNATURES = {  # argument and result types of decode.c's functions (pointers: t
     "attend": ([*[_P] * 8, *[_INT] * 5, _F, _INT], None),
     "silu_mul": ([_P, _P, _INT, _INT], None),
     "residual_row": ([_P, _INT, _INT], _F),
-    "combine_rows": ([_P, _INT, _F, _P], None),
+    "combine_rows": ([_P, _INT, _INT, _F, _P], None),
     "has_float16": ([], _INT),
 }
 

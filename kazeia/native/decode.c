@@ -170,11 +170,11 @@ void silu_mul(const void *gate_up, void *out, int n, int dt) {
     }
 }
 
-/* The int8 products' second activation row (kazeia/quant.py, `split_rows`, value for value).
-   rows: 2 x n float32, the activation x in row 0. Row 1 := f * (x - Q(x)), where Q rounds to the
-   int8 GEMM's grid for x (multiples of its step) and f is the largest power of two keeping row 1
-   inside x's range on both sides of 0 (at most 2^16); returns f, or 0 with row 1 zeroed where no
-   f >= 2 fits. */
+/* The int8 products' second activation rows (kazeia/quant.py, `split_rows`, value for value).
+   rows: 2 x n float32, the activations x (n values: all the input rows) first. The next n values
+   := f * (x - Q(x)), where Q rounds to the int8 GEMM's grid for x (multiples of its step) and f
+   is the largest power of two keeping them inside x's range on both sides of 0 (at most 2^16);
+   returns f, or 0 with those values zeroed where no f >= 2 fits. */
 enum { MAX_EXPONENT = 17 }; /* factors up to 2^16: more buys nothing, and stays finite in float32 */
 
 float residual_row(float *rows, int n, int levels) {
@@ -231,10 +231,12 @@ float residual_row(float *rows, int n, int levels) {
     return factor;
 }
 
-/* y: 2 x n float32 outputs of the two rows -> row 0 := row 0 + row 1 * inverse (+ bias). */
-void combine_rows(float *y, int n, float inverse, const float *bias) {
-    for (int i = 0; i < n; i++) {
-        float v = y[i] + y[n + i] * inverse;
-        y[i] = bias ? v + bias[i] : v;
-    }
+/* y: 2 x n float32 outputs (rows of `cols` values) of the input rows and then of the residual
+   rows -> the first n := first + second * inverse (+ bias, one value per column). */
+void combine_rows(float *y, int n, int cols, float inverse, const float *bias) {
+    for (int start = 0; start < n; start += cols)
+        for (int c = 0; c < cols; c++) {
+            float v = y[start + c] + y[n + start + c] * inverse;
+            y[start + c] = bias ? v + bias[c] : v;
+        }
 }
