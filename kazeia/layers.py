@@ -252,8 +252,8 @@ class Block(nn.Module):
 
 
 def run_stack(layers: nn.ModuleList, norm: RMSNorm, x: torch.Tensor, rope, cache: list, start: int) -> torch.Tensor:
-    """Decoder layers over their caches, then the final norm. One position of one sequence runs the
-    compiled step where it applies (kazeia/native), the same computation with less overhead."""
+    """Decoder layers over their caches, then the final norm. One sequence at one or two positions
+    runs the compiled step where it applies (kazeia/native), the same computation with less overhead."""
     step = native.stack_step(layers, norm, x, cache)
     if step is not None:
         return step(x, rope, cache, start)

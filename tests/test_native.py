@@ -67,12 +67,16 @@ def test_compiled_step_matches_the_eager_layers(dtype, linears):
         for caches in (ours, theirs):  # the prompt takes the eager path in both
             run_stack(layers, norm, prompt, rot.span(0, 7, dtype, "cpu"), caches, 0)
         assert native.stack_step(layers, norm, prompt[:, :1], ours) is not None
-        for pos in range(7, 30):
-            x = torch.randn(1, 1, DIM, generator=gen).to(dtype)
+        pos = 7
+        while pos < 30:
+            width = 2 if pos % 5 == 0 else 1  # two-position steps too (MAX_POSITIONS)
+            x = torch.randn(1, width, DIM, generator=gen).to(dtype)
             x_before = x.clone()
-            rope = rot.span(pos, 1, dtype, "cpu")
+            rope = rot.span(pos, width, dtype, "cpu")
+            assert native.stack_step(layers, norm, x, ours) is not None
             got = run_stack(layers, norm, x, rope, ours, pos)
             want = eager_step(layers, norm, x, rope, theirs, pos)
+            pos += width
             assert torch.equal(x, x_before)  # the input is not modified
             assert got.shape == want.shape and got.dtype == want.dtype
             if dtype != torch.float32:
@@ -145,7 +149,7 @@ def test_cache_overflow_is_an_error_not_a_write_past_the_end():
 def test_where_the_compiled_step_does_not_apply():
     layers, norm = make_stack(torch.float32, "plain")
     caches = new_caches()
-    assert native.stack_step(layers, norm, torch.randn(1, 2, DIM), caches) is None  # several positions
+    assert native.stack_step(layers, norm, torch.randn(1, 3, DIM), caches) is None  # a prompt
     assert native.stack_step(layers, norm, torch.randn(2, 1, DIM), caches) is None  # several sequences
     wide_layers, wide_norm = make_stack(torch.float64, "plain")
     assert native.stack_step(wide_layers, wide_norm, torch.randn(1, 1, DIM, dtype=torch.float64), caches) is None

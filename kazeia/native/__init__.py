@@ -78,9 +78,9 @@ def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
 
 _P, _INT, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # argument and result types of decode.c's functions (pointers: tensors' data_ptr())
-    "add_rms_norm": ([_P, _P, _P, _P, _INT, _F, _INT], None),
-    "attend": ([*[_P] * 8, *[_INT] * 5, _F, _INT], None),
-    "silu_mul": ([_P, _P, _INT, _INT], None),
+    "add_rms_norm": ([_P, _P, _P, _P, _INT, _INT, _F, _INT], None),
+    "attend": ([*[_P] * 8, *[_INT] * 6, _F, _INT], None),
+    "silu_mul": ([_P, _P, _INT, _INT, _INT], None),
     "residual_row": ([_P, _INT, _INT], _F),
     "combine_rows": ([_P, _INT, _INT, _F, _P], None),
     "has_float16": ([], _INT),
@@ -104,7 +104,8 @@ def library() -> ctypes.CDLL | None:
 
 
 class StackStep:
-    """One position through a stack of fused `layers.Block`s and its final norm, batch 1.
+    """One position (or two, MAX_POSITIONS) through a stack of fused `layers.Block`s and its final
+    norm, batch 1.
 
     Built once per stack (`stack_step`); holds the norms' weights and the products. Each layer is:
     qkv product, `attend`, output product, `add_rms_norm`, gate/up product, `silu_mul`, down
@@ -155,44 +156,55 @@ class StackStep:
         return first.data_ptr() == self.first_norm and last.data_ptr() == self.last_norm
 
     def __call__(self, x: torch.Tensor, rope, cache, start: int) -> torch.Tensor:
-        """x (1, 1, H) at position `start` -> final-normed hidden (1, 1, H); fills each layer's cache."""
+        """x (1, T, H) at positions [start, start + T) -> final-normed hidden (1, T, H); fills each
+        layer's cache. T is 1, or 2 for the code predictor's first step of a frame (MAX_POSITIONS)."""
         lib, dt, dtype = self.lib, self.dt, self.dtype
         H, nq, nkv, hd = self.hidden, self.heads, self.kv_heads, self.head_dim
-        capacity = cache[0].k.shape[2]
-        if start >= capacity:
-            raise RuntimeError(f"KV cache overflow: position {start + 1} > capacity {capacity}")
-        h = x.reshape(H).clone()  # the residual stream, updated in place
-        normed = torch.empty(self.rows, H, dtype=dtype)
-        attended = torch.empty(self.rows, nq * hd, dtype=dtype)
-        activated = torch.empty(self.rows, self.inner, dtype=dtype)
+        T, capacity = x.shape[1], cache[0].k.shape[2]
+        if start + T > capacity:
+            raise RuntimeError(f"KV cache overflow: position {start + T} > capacity {capacity}")
+        h = x.reshape(T, H).clone()  # the residual stream, updated in place
+        rows = self.rows * T  # product inputs: T rows (then T residual rows for int8 products)
+        normed = torch.empty(rows, H, dtype=dtype)
+        attended = torch.empty(rows, nq * hd, dtype=dtype)
+        activated = torch.empty(rows, self.inner, dtype=dtype)
         scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
         hp, np_, ap, mp, sp = (t.data_ptr() for t in (h, normed, attended, activated, scratch))
         cos, sin = (t.data_ptr() for t in rope)
         eps, qk_eps = self.eps, self.qk_eps
-        lib.add_rms_norm(hp, None, self.first_norm, np_, H, eps, dt)
+        lib.add_rms_norm(hp, None, self.first_norm, np_, T, H, eps, dt)
         for (qkv, qk_w, o_proj, post_w, gate_up, down, next_w), layer_cache in zip(self.layers, cache, strict=True):
             y = qkv(normed)
             k, v = layer_cache.k, layer_cache.v
-            lib.attend(y.data_ptr(), qk_w, cos, sin, k.data_ptr(), v.data_ptr(), ap, sp, nq, nkv, hd, capacity,
+            lib.attend(y.data_ptr(), qk_w, cos, sin, k.data_ptr(), v.data_ptr(), ap, sp, T, nq, nkv, hd, capacity,
                        start, qk_eps, dt)  # fmt: skip
             # Each product's output is held in a name until the call returns (a temporary's memory
             # would be freed as soon as its address is taken).
             y = o_proj(attended)
-            lib.add_rms_norm(hp, y.data_ptr(), post_w, np_, H, eps, dt)
+            lib.add_rms_norm(hp, y.data_ptr(), post_w, np_, T, H, eps, dt)
             y = gate_up(normed)
-            lib.silu_mul(y.data_ptr(), mp, self.inner, dt)
+            lib.silu_mul(y.data_ptr(), mp, T, self.inner, dt)
             y = down(activated)
-            lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, H, eps, dt)
-        return normed[:1].view(1, 1, H)
+            lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, T, H, eps, dt)
+        return normed[:T].view(1, T, H)
 
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Positions a compiled step takes at once: one, or the code predictor's two-position first step of
+# each frame (otherwise ~125 PyTorch operations per frame). Prompts keep the eager layers, whose
+# attention runs on every core.
+MAX_POSITIONS = 2
+
+
 def stack_step(layers, norm, x: torch.Tensor, cache) -> StackStep | None:
-    """The compiled step for this stack and input, or None where it does not apply (more than one
-    position or sequence, other dtypes or devices, unfused layers, no compiled library)."""
-    if x.shape[0] != 1 or x.shape[1] != 1 or x.dtype not in DTYPES or x.device.type != "cpu":
+    """The compiled step for this stack and input, or None where it does not apply (more than
+    MAX_POSITIONS positions or more than one sequence, other dtypes or devices, unfused layers, no
+    compiled library)."""
+    if x.shape[0] != 1 or not 1 <= x.shape[1] <= MAX_POSITIONS:
+        return None
+    if x.dtype not in DTYPES or x.device.type != "cpu":
         return None
     if cache[0].k.dtype != torch.float32 or cache[0].k.shape[0] != 1:
         return None

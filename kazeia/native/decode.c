@@ -1,4 +1,5 @@
-/* The work between the matrix products of one decoder-layer step at batch 1, one position.
+/* The work between the matrix products of one decoder-layer step at batch 1, for one position or
+   a few consecutive ones (`rows` / `count` below; the code predictor's first step has two).
 
    Eager PyTorch spends some 25 small operations on it per layer (norms, rotation, cache write,
    attention, SiLU, residual adds), each costing far more to dispatch than to compute; 103 layer
@@ -63,6 +64,9 @@ static inline float rnd(float v, int dt) {
     return v;
 }
 
+/* Address of element i of an array of dt values. */
+static inline void *at(const void *p, long i, int dt) { return (char *)p + i * (dt == F32 ? 4 : 2); }
+
 /* 1 / sqrt(mean(x^2) + eps) over n values (the RMSNorm factor, in float32). */
 /* sum of a[i] * b[i] in 16 interleaved partial sums (a form the compiler vectorizes as written). */
 static inline float dot(const float *a, const float *b, int n) {
@@ -79,9 +83,7 @@ static float rms_factor(const float *x, int n, float eps) {
     return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
 }
 
-/* h += delta (rounded to dt; skipped when delta is NULL), then out = rmsnorm(h) * w.
-   h, delta, w, out: n values of dt. */
-void add_rms_norm(void *h, const void *delta, const void *w, void *out, int n, float eps, int dt) {
+static void add_rms_norm_row(void *h, const void *delta, const void *w, void *out, int n, float eps, int dt) {
     float x[n];
     for (int i = 0; i < n; i++) {
         float v = load(h, i, dt);
@@ -95,16 +97,24 @@ void add_rms_norm(void *h, const void *delta, const void *w, void *out, int n, f
     for (int i = 0; i < n; i++) store(out, i, rnd(x[i] * r, dt) * load(w, i, dt), dt);
 }
 
-/* One attention step at position `pos`.
+/* For each of `rows` rows: h += delta (rounded to dt; skipped when delta is NULL), then
+   out = rmsnorm(h) * w. h, delta, out: rows x n values of dt; w: n values of dt. */
+void add_rms_norm(void *h, const void *delta, const void *w, void *out, int rows, int n, float eps, int dt) {
+    for (int r = 0; r < rows; r++)
+        add_rms_norm_row(at(h, (long)r * n, dt), delta ? at(delta, (long)r * n, dt) : NULL, w,
+                         at(out, (long)r * n, dt), n, eps, dt);
+}
+
+/* One attention step at position `pos` (`attend` below runs one per new position).
    qkv: (nq + 2 nkv) heads of hd values (dt): queries, keys, values of the new position.
    qk_w: (nq + nkv, hd) RMSNorm scales of the query and key heads (dt).
    cos, sin: hd values (dt) for `pos`, sin with its first half negated (x*cos + roll(x, hd/2)*sin).
    k_cache, v_cache: (nkv, cap, hd) float32; the new key and value are written at `pos`.
    out: (nq, hd) values (dt), query head g attending with key/value head g / (nq / nkv).
    scratch: at least nq * hd + (nq / nkv) * (pos + 1) floats. */
-void attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, float *k_cache,
-            float *v_cache, void *out, float *scratch, int nq, int nkv, int hd, int cap, int pos,
-            float eps, int dt) {
+static void attend_one(const void *qkv, const void *qk_w, const void *cos, const void *sin, float *k_cache,
+                       float *v_cache, void *out, float *scratch, int nq, int nkv, int hd, int cap, int pos,
+                       float eps, int dt) {
     const int half = hd / 2;
     float *q = scratch, *scores = scratch + (long)nq * hd;
     float x[hd], y[hd];
@@ -161,12 +171,29 @@ void attend(const void *qkv, const void *qk_w, const void *cos, const void *sin,
     }
 }
 
-/* out = silu(gate) * up, gate_up = [gate | up] (2n values of dt); silu rounded to dt first. */
-void silu_mul(const void *gate_up, void *out, int n, int dt) {
-    for (int i = 0; i < n; i++) {
-        float g = load(gate_up, i, dt);
-        float s = rnd(g / (1.0f + expf(-g)), dt);
-        store(out, i, s * load(gate_up, (long)n + i, dt), dt);
+/* `count` consecutive new positions pos, pos + 1, ...: row t of qkv (its heads as above), cos and
+   sin (hd values each) and out is position pos + t, which attends to the cache up to itself (each
+   position's key and value are written before the next one attends: causal, as in a prompt). */
+void attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, float *k_cache,
+            float *v_cache, void *out, float *scratch, int count, int nq, int nkv, int hd, int cap, int pos,
+            float eps, int dt) {
+    const long width = (long)(nq + 2 * nkv) * hd;
+    for (int t = 0; t < count; t++)
+        attend_one(at(qkv, t * width, dt), qk_w, at(cos, (long)t * hd, dt), at(sin, (long)t * hd, dt), k_cache,
+                   v_cache, at(out, (long)t * nq * hd, dt), scratch, nq, nkv, hd, cap, pos + t, eps, dt);
+}
+
+/* For each of `rows` rows: out = silu(gate) * up, gate_up = [gate | up] (2n values of dt); silu
+   rounded to dt first. out: rows x n values of dt. */
+void silu_mul(const void *gate_up, void *out, int rows, int n, int dt) {
+    for (int r = 0; r < rows; r++) {
+        const void *gu = at(gate_up, 2L * r * n, dt);
+        void *o = at(out, (long)r * n, dt);
+        for (int i = 0; i < n; i++) {
+            float g = load(gu, i, dt);
+            float s = rnd(g / (1.0f + expf(-g)), dt);
+            store(o, i, s * load(gu, (long)n + i, dt), dt);
+        }
     }
 }
 
