@@ -97,3 +97,19 @@ def test_quantize_keeps_bias_out_of_the_packed_weight():
     with torch.inference_mode():
         exact = x @ dequantized(layer.weight.detach()).T + layer.bias.detach()
         assert rel(q(x), exact) < 1e-3
+
+
+def test_two_rows_on_cpus_without_vnni_use_the_reduced_grid():
+    """Without VNNI the GEMM quantizes activations to 7 bits (127 steps); the residual row must be
+    taken on that grid, or it would not cancel the rounding (forced here on any CPU)."""
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(256, 384, generator=g)
+    layer = QuantLinear.from_float(weight, None)
+    layer.reduce_range, layer.levels = True, 127
+    x = torch.randn(3, 384, generator=g)
+    with torch.inference_mode():
+        exact = x @ dequantized(weight).T
+        one_row = LINEAR_DYNAMIC(x, layer.packed, True)
+        assert rel(layer.eager(x), exact) < 0.02 * rel(one_row, exact)
+        layer.levels = 255  # the wrong grid: the residual no longer matches the GEMM's rounding
+        assert rel(layer.eager(x), exact) > 0.1 * rel(one_row, exact)
