@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -157,10 +160,22 @@ def test_where_the_compiled_step_does_not_apply():
     assert native.stack_step(unfused, RMSNorm(DIM, 1e-6), torch.randn(1, 1, DIM), caches) is None
 
 
+def test_a_new_build_removes_builds_unused_for_a_month(tmp_path):
+    stale, recent = tmp_path / "decode-0000000000000000.so", tmp_path / "decode-1111111111111111.so"
+    for old in (stale, recent):
+        old.write_bytes(b"an earlier build")
+    month_ago = time.time() - 31 * 86400
+    os.utime(stale, (month_ago, month_ago))
+    built = native.build(target_dir=tmp_path)
+    assert built.exists() and recent.exists() and not stale.exists()
+    os.utime(built, (month_ago, month_ago))
+    assert native.build(target_dir=tmp_path) == built and built.stat().st_mtime > month_ago  # use refreshes
+
+
 def test_build_is_cached_and_a_missing_compiler_is_named(tmp_path):
     first = native.build(target_dir=tmp_path)
-    stamp = first.stat().st_mtime_ns
-    assert native.build(target_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    inode = first.stat().st_ino  # a rebuild would replace the file (a new inode)
+    assert native.build(target_dir=tmp_path) == first and first.stat().st_ino == inode
     with pytest.raises(RuntimeError, match="no-such-cc"):
         native.build(compiler="no-such-cc", target_dir=tmp_path / "other")
 

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -60,6 +61,7 @@ def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
     target_dir = target_dir or cache_dir()
     path = target_dir / f"decode-{key.hexdigest()[:16]}.so"
     if path.exists():
+        _touch(path)  # in use: its age says when it was last loaded, for `_prune`
         return path
     target_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
@@ -73,7 +75,30 @@ def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _prune(target_dir, keep=path)
     return path
+
+
+STALE_DAYS = 30  # builds not loaded for this long are removed when another one is built
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache still works
+        pass
+
+
+def _prune(target_dir: Path, keep: Path) -> None:
+    """Remove other builds (older sources, compilers or CPUs) not loaded for STALE_DAYS days. A
+    process still using one keeps its mapping; recent ones stay for other installed versions."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in target_dir.glob("decode-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass
 
 
 _P, _INT, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
