@@ -2,10 +2,10 @@
 
 The matrix products stay with PyTorch (oneDNN / int8 GEMM modules); the norms, rotation, KV-cache
 write, attention and SiLU of each layer run as four calls into `decode.c` (int8 products add two
-more each: their second activation row, see kazeia/quant.py), which the system C
-compiler builds once per machine into `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no
-compiler is found or the build fails, `library()` returns None with one warning and the eager code
-runs instead; `KAZEIA_NATIVE=0` turns this path off.
+more each, for their second activation row: see kazeia/quant.py), which the system C compiler
+builds once per machine into `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no compiler
+is found or the build fails, `library()` returns None with one warning and the eager code runs
+instead; `KAZEIA_NATIVE=0` turns this path off.
 """
 
 from __future__ import annotations
@@ -135,9 +135,10 @@ class StackStep:
     Built once per stack (`stack_step`); holds the norms' weights and the products. Each layer is:
     qkv product, `attend`, output product, `add_rms_norm`, gate/up product, `silu_mul`, down
     product, `add_rms_norm` (which also applies the next layer's input norm or the final one).
-    Products' inputs are (rows, features) buffers whose row 0 the C code writes: one row for float
-    products (their `forward`), two for int8 ones (`QuantLinear.compiled`); a product's result is
-    row 0 of what it returns.
+    Products' inputs are (rows, features) buffers whose first T rows (one per position) the C code
+    writes: T rows in all for float products (their `forward`), 2T for int8 ones, whose second half
+    takes the residual rows (`QuantLinear.compiled`); a product's result is the first T rows of
+    what it returns.
     """
 
     def __init__(self, lib: ctypes.CDLL, layers, norm, dtype: torch.dtype):
