@@ -177,19 +177,15 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """An embedding table stored as int8 rows with a float32 scale per row."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
         super().__init__()
-        w = weight.detach().float()
-        scales = _row_scales(w)
-        self.register_buffer("qweight", torch.round(w / scales[:, None]).to(torch.int8))
-        self.register_buffer("scales", scales)
+        self.register_buffer("qweight", qweight)  # (rows, dim) int8
+        self.register_buffer("scales", scales)  # (rows,) float32
 
     @classmethod
     @torch.no_grad()
     def from_float_chunked(cls, weight: torch.Tensor, rows: int = 2048) -> QuantEmbedding:
         """Quantize a large table in row blocks, so no float32 copy of the whole table exists."""
-        out = cls.__new__(cls)
-        nn.Module.__init__(out)
         qweight = torch.empty(weight.shape, dtype=torch.int8)
         scales = torch.empty(weight.shape[0], dtype=torch.float32)
         for start in range(0, weight.shape[0], rows):
@@ -197,9 +193,7 @@ class QuantEmbedding(nn.Module):
             s = _row_scales(block)
             qweight[start : start + rows] = torch.round(block / s[:, None]).to(torch.int8)
             scales[start : start + rows] = s
-        out.register_buffer("qweight", qweight)
-        out.register_buffer("scales", scales)
-        return out
+        return cls(qweight, scales)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.qweight[ids].float() * self.scales[ids, None]
