@@ -86,6 +86,7 @@ def run_kazeia(path: Path, dtype: str, frames: int, repeats: int) -> dict:
     for _ in stream:
         pass
     assert offline.metrics.frames == stream.metrics.frames == frames
+    reads = weight_reads(engine)
     return {
         "load_s": load_s,
         "prefill_s": stats.prefill_s,
@@ -94,7 +95,8 @@ def run_kazeia(path: Path, dtype: str, frames: int, repeats: int) -> dict:
         "generate_ms": 1000 * generate_s / frames,
         "floor_ms": 1000 * floor_s,
         "x_floor": generate_s / frames / floor_s,
-        "gemv_gbps": weight_bytes(engine) / floor_s / 1e9,
+        "weight_reads": reads,
+        "gemv_gbps": reads * BYTES[engine_dtype(engine)] / floor_s / 1e9,  # int8: scales aside
         "vocoder_ms": 1000 * vocoder_s / frames,
         "wall_s": offline.metrics.wall_s,
         "rtf": offline.metrics.rtf,
@@ -153,12 +155,11 @@ def products_only(engine, frames: int) -> float:
         return (time.perf_counter() - start) / frames
 
 
-def weight_bytes(engine) -> int:
-    """Weight bytes one frame reads (int8: one byte per weight, scales aside)."""
+def weight_reads(engine) -> int:
+    """Weights one frame reads (parameters): the talker's once, the code predictor's per codebook."""
     per_frame, per_group, heads = _products(engine)
     size = lambda m: m.in_features * m.out_features  # noqa: E731
-    reads = sum(map(size, per_frame)) + sum(map(size, heads)) + len(heads) * sum(map(size, per_group))
-    return reads * BYTES[engine_dtype(engine)]
+    return sum(map(size, per_frame)) + sum(map(size, heads)) + len(heads) * sum(map(size, per_group))
 
 
 def engine_dtype(engine) -> str:
@@ -219,25 +220,6 @@ def run_reference(path: Path, dtype: str, frames: int, repeats: int) -> dict:
 
 
 # -- orchestration -------------------------------------------------------------------------------
-def weight_reads(path: Path) -> dict:
-    """Per-frame weight reads (parameters), from the checkpoint config (recorded in the JSON)."""
-    cfg = json.loads((path / "config.json").read_text())
-    t, cp = cfg["talker_config"], cfg["talker_config"]["code_predictor_config"]
-
-    def layer_shapes(c):
-        hd, h = c["head_dim"], c["hidden_size"]
-        q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
-        return [(q + 2 * kv, h), (h, q), (2 * c["intermediate_size"], h), (h, c["intermediate_size"])]
-
-    talker = layer_shapes(t) * t["num_hidden_layers"] + [(t["vocab_size"], t["hidden_size"])]
-    predictor = layer_shapes(cp) * cp["num_hidden_layers"] + [(cp["vocab_size"], cp["hidden_size"])]
-    if t["hidden_size"] != cp["hidden_size"]:
-        predictor.append((cp["hidden_size"], t["hidden_size"]))
-    groups = t["num_code_groups"] - 1
-    reads = sum(o * i for o, i in talker) + groups * sum(o * i for o, i in predictor)
-    return {"reads": reads}
-
-
 def spawn(kind: str, path: Path, dtype: str, frames: int, threads: int | None, repeats: int) -> dict:
     cmd = [
         sys.executable,
@@ -336,7 +318,6 @@ def main() -> None:
 
     path = real_checkpoint(args.size)
     dtypes = args.dtypes.split(",")
-    reads = weight_reads(path)
     results = {}
     for dtype in dtypes:
         results[f"kazeia {dtype}"] = spawn("kazeia", path, dtype, args.frames, args.threads, args.repeats)
@@ -350,7 +331,7 @@ def main() -> None:
             "size": args.size,
             "frames": args.frames,
             "bandwidth_gbps": bandwidth,
-            "weight_reads_per_frame": reads["reads"],
+            "weight_reads_per_frame": next((r["weight_reads"] for r in results.values() if "weight_reads" in r), None),
             "results": results,
             "cpp_engine_other_run": CPP_ENGINE,
         }
