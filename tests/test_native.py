@@ -13,6 +13,7 @@ from torch import nn
 from kazeia import Engine, native
 from kazeia.layers import Block, KVCache, RMSNorm, Rotary, fuse_projections, pack_linears, run_stack
 from kazeia.quant import quantize_linears
+from kazeia.vocoder import SnakeBeta
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the eager path runs")
 
@@ -205,3 +206,79 @@ def test_kazeia_native_0_turns_it_off(monkeypatch):
         assert native.stack_step(layers, norm, torch.randn(1, 1, DIM), new_caches()) is None
     finally:
         native.library.cache_clear()
+
+
+def snake_truth(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> torch.Tensor:
+    """SnakeBeta in float64 from the float32 per-channel factors (time-major x: channels last)."""
+    alpha, inv_beta = log_alpha.exp().double(), (1.0 / (log_beta.exp() + 1e-9)).double()
+    return x.double() + torch.sin(x.double() * alpha) ** 2 * inv_beta
+
+
+def snake_module(channels: int, seed: int = 0) -> SnakeBeta:
+    gen = torch.Generator().manual_seed(seed)
+    snake = SnakeBeta(channels)
+    with torch.no_grad():
+        snake.alpha.copy_(torch.randn(channels, generator=gen) * 0.5)
+        snake.beta.copy_(torch.randn(channels, generator=gen) * 0.5)
+    return snake
+
+
+@pytest.mark.parametrize("shape", [(1, 700, 96), (2, 300, 24), (3, 5, 7)])
+def test_snake_beta_is_as_accurate_as_pytorch(shape, monkeypatch):
+    """vocoder.c's one-pass SnakeBeta against float64: no worse than PyTorch's own sin (the eager
+    path), for batches, odd channel counts and lengths below one vector."""
+    snake = snake_module(shape[-1])
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 4
+    truth = snake_truth(x, snake.alpha, snake.beta)
+    with torch.no_grad():
+        compiled = snake(x)
+        monkeypatch.setattr(native, "library", lambda: None)
+        eager = snake(x)
+    compiled_error = (compiled.double() - truth).abs().max().item()
+    eager_error = (eager.double() - truth).abs().max().item()
+    assert compiled_error <= 2 * eager_error + 1e-7, (compiled_error, eager_error)
+    assert compiled_error <= 2e-6 * x.abs().max().item()
+
+
+def test_snake_beta_writes_only_its_window_and_takes_any_argument():
+    """Written into a window of a wider buffer (the conv input after its carried tail), leaving the
+    rest alone; huge, infinite and NaN arguments give what float64 sin gives."""
+    snake = snake_module(16, seed=2)
+    x = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(3))
+    x[0, 0, :6] = torch.tensor([3e5, -7e6, 1e30, float("inf"), float("nan"), -2.5e4])
+    buffer = torch.full((2, 46, 16), 123.0)
+    with torch.no_grad():
+        out = snake(x, out=buffer[:, 6:])
+    assert out.data_ptr() == buffer[:, 6:].data_ptr()
+    assert torch.all(buffer[:, :6] == 123.0)
+    truth = snake_truth(x, snake.alpha, snake.beta).float()
+    assert torch.equal(out.isnan(), truth.isnan())
+    finite = ~truth.isnan()
+    torch.testing.assert_close(out[finite], truth[finite], rtol=1e-6, atol=2e-6)
+
+
+def test_snake_beta_gives_the_same_bits_on_any_thread_count():
+    lib = native.library()
+    snake = snake_module(96, seed=4)
+    x = torch.randn(1, 2000, 96, generator=torch.Generator().manual_seed(5)) * 3
+    outs = []
+    for threads in (1, 2, 3, 8):
+        y = torch.empty_like(x)
+        ptrs = (x.data_ptr(), y.data_ptr(), snake.alpha.data_ptr(), snake.beta.data_ptr())
+        assert lib.snake_beta(*ptrs, 1, 2000, 96, x.stride(0), y.stride(0), threads) == 0
+        outs.append(y)
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
+def test_without_the_library_snake_beta_runs_in_pytorch(monkeypatch):
+    snake = snake_module(32, seed=6)
+    x = torch.randn(2, 300, 32, generator=torch.Generator().manual_seed(7)) * 3
+    with torch.no_grad():
+        compiled = snake(x)
+        monkeypatch.setattr(native, "library", lambda: None)
+        eager = snake(x)
+        window = torch.zeros(2, 303, 32)
+        snake(x, out=window[:, 3:])
+    assert not torch.equal(compiled, eager)  # two different sines...
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=2e-6)  # ...of the same accuracy
+    assert torch.equal(window[:, 3:], eager) and torch.all(window[:, :3] == 0)

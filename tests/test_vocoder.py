@@ -8,15 +8,17 @@ import pathlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import load_reference
 from safetensors.torch import save_file
 
+from kazeia import native
 from kazeia.checkpoint import assign
 from kazeia.config import CheckpointError, VocoderConfig
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
-from kazeia.vocoder import Vocoder, vocoder_tensors
+from kazeia.vocoder import POLYPHASE_MIN_POSITIONS, DecoderTransConv, Vocoder, VocoderState, vocoder_tensors
 
 FILES = pathlib.Path(__file__).resolve().parent.parent / "kazeia" / "reference_files"
 REAL_CONFIG = FILES / "Qwen3-TTS-12Hz-0.6B-CustomVoice" / "speech_tokenizer" / "config.json"
@@ -197,3 +199,34 @@ def test_unbatched_codes_and_state_batch(tiny: Setup):
     assert torch.equal(tiny.vocoder(codes[0]), tiny.vocoder(codes)[0])
     with pytest.raises(ValueError, match="batch"):
         tiny.vocoder.decode_chunk(codes, tiny.vocoder.new_state(2))
+
+
+@pytest.mark.parametrize("positions", [40, POLYPHASE_MIN_POSITIONS + 44])
+def test_decoder_transposed_conv_is_conv_transpose1d(positions: int):
+    """Both ways `DecoderTransConv` computes (overlap-add below POLYPHASE_MIN_POSITIONS inputs, one
+    polyphase conv from there) give PyTorch's ConvTranspose1d, trimmed as the reference trims it,
+    over the carried input and the new ones; the carried input moves on."""
+    torch.manual_seed(0)
+    up = DecoderTransConv(12, 8, 6, 3)
+    up.slot = 0
+    with torch.no_grad():
+        up.conv.weight.copy_(torch.randn_like(up.conv.weight) / 4)
+        up.conv.bias.copy_(torch.randn_like(up.conv.bias))
+    tail, x = torch.randn(1, up.keep, 12), torch.randn(1, positions, 12)  # time-major
+    state = VocoderState(tails=[tail.clone()], caches=[])
+    with torch.no_grad():
+        got = up(x, state)
+        full = F.conv_transpose1d(torch.cat((tail, x), 1).transpose(1, 2), up.conv.weight, up.conv.bias, stride=3)
+    expected = full[..., 3 * up.keep : 3 * (up.keep + positions)].transpose(1, 2)  # (1, 3L, 8)
+    assert got.shape == (1, 3 * positions, 8)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(state.tails[0], x[:, -up.keep :])
+
+
+def test_vocoder_without_the_compiled_library_matches_the_reference(tiny: Setup, monkeypatch):
+    codes = tiny.codes(1, 12, seed=9)
+    compiled = tiny.vocoder(codes)
+    monkeypatch.setattr(native, "library", lambda: None)  # SnakeBeta in PyTorch
+    eager = tiny.vocoder(codes)
+    assert max_diff(eager, tiny.reference_decode(codes)) <= TOL
+    assert max_diff(eager, compiled) <= TOL

@@ -1,11 +1,13 @@
-"""Compiled decode steps: one decoder-stack step at batch 1 with the glue between products in C.
+"""Compiled decode steps: one decoder-stack step at batch 1 with the glue between products in C;
+and the vocoder's SnakeBeta activation in one pass.
 
 The matrix products stay with PyTorch (oneDNN / int8 GEMM modules); the norms, rotation, KV-cache
 write, attention and SiLU of each layer run as four calls into `decode.c` (int8 products add two
-more each, for their second activation row: see kazeia/quant.py), which the system C compiler
-builds once per machine into `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no compiler
-is found or the build fails, `library()` returns None with one warning and the eager code runs
-instead; `KAZEIA_NATIVE=0` turns this path off.
+more each, for their second activation row: see kazeia/quant.py); `vocoder.c` holds `snake_beta`
+(kazeia/vocoder.py). The system C compiler builds both into one library, once per machine, in
+`~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no compiler is found or the build
+fails, `library()` returns None with one warning and the eager code runs instead;
+`KAZEIA_NATIVE=0` turns this path off.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c"))
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -52,12 +54,12 @@ def _cpu_signature() -> str:
 
 
 def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
-    """Compile decode.c (once per source, flags, compiler and CPU) and return the library path."""
+    """Compile the sources (once per source, flags, compiler and CPU) and return the library path."""
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} not found")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()]))
+    sources = [source.read_bytes() for source in SOURCES]
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()]))
     target_dir = target_dir or cache_dir()
     path = target_dir / f"decode-{key.hexdigest()[:16]}.so"
     if path.exists():
@@ -67,7 +69,7 @@ def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -101,7 +103,7 @@ def _prune(target_dir: Path, keep: Path) -> None:
             pass
 
 
-_P, _INT, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_P, _INT, _LONG, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # argument and result types of decode.c's functions (pointers: tensors' data_ptr())
     "add_rms_norm": ([_P, _P, _P, _P, _INT, _INT, _F, _INT], None),
     "attend": ([*[_P] * 8, *[_INT] * 6, _F, _INT], None),
@@ -109,18 +111,20 @@ SIGNATURES = {  # argument and result types of decode.c's functions (pointers: t
     "residual_row": ([_P, _INT, _INT], _F),
     "combine_rows": ([_P, _INT, _INT, _F, _P], None),
     "has_float16": ([], _INT),
+    "snake_beta": ([*[_P] * 4, *[_LONG] * 5, _INT], _INT),
 }
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled decode library, or None (disabled, no compiler, build failure: warned once)."""
+    """The compiled library, or None (disabled, no compiler, build failure: warned once)."""
     if not enabled() or sys.platform == "win32":
         return None
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-        warnings.warn(f"kazeia: compiled decode steps unavailable, using eager PyTorch ({err})", stacklevel=2)
+        what = "compiled decode steps and vocoder activation unavailable, using eager PyTorch"
+        warnings.warn(f"kazeia: {what} ({err})", stacklevel=2)
         return None
     for name, (args, result) in SIGNATURES.items():
         fn = getattr(lib, name)
