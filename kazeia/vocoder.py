@@ -157,9 +157,8 @@ class DecoderConv(CausalConv):
 
     Runs as a (1 x k) conv2d on the channels-last view of x, with no copy in or out. oneDNN is
     faster in that layout here (2-core AVX-512 EPYC, 32-frame blocks: k7 over 96 channels at 24 kHz
-    99-111 GMAC/s against 69-82 channel-major; 1x1 convs 15-25% faster). PyTorch copies the weight
-    into that layout each call; storing it so at load saved no measurable time and kept a second
-    copy of the weights resident (0.2 GB), so it stays as loaded.
+    99-111 GMAC/s against 69-82 channel-major; 1x1 convs 15-25% faster). `init_buffers` stores the
+    weight in that layout too (same shape and values), else PyTorch copies it so on every call.
     """
 
     def forward(self, x: torch.Tensor, state: VocoderState, act: SnakeBeta | None = None) -> torch.Tensor:
@@ -168,9 +167,16 @@ class DecoderConv(CausalConv):
         elif act is not None:
             x = act(x)
         conv = self.conv
-        weight = conv.weight.unsqueeze(2)  # (C_out, C_in, 1, k)
+        weight = conv.weight.unsqueeze(2)  # (C_out, C_in, 1, k); channels-last when stored (C_out, k, C_in)
         y = F.conv2d(x.transpose(1, 2).unsqueeze(2), weight, conv.bias, dilation=(1, conv.dilation[0]))
         return y.squeeze(2).transpose(1, 2)  # (B, L, C_out)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Called by `checkpoint.assign` after loading: the weight stored (C_out, k, C_in)."""
+        weight = self.conv.weight.detach()
+        stored = weight.transpose(1, 2).contiguous().transpose(1, 2)  # a no-op when already so
+        if stored.data_ptr() != weight.data_ptr():
+            self.conv.weight = nn.Parameter(stored, requires_grad=False)
 
     def new_tail(self, batch: int, **like) -> torch.Tensor:
         return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
@@ -424,7 +430,9 @@ class Vocoder(nn.Module):
         with torch.device("meta"):
             vocoder = cls(cfg)
         path = root / "model.safetensors"
-        tensors = vocoder_tensors(load_tensors(path), num_quantizers=cfg.num_quantizers)
+        # Read, not memory-mapped: the decoder convs' weights are stored anew (`DecoderConv.
+        # init_buffers`), and a map would keep the file's copy of them resident as well (0.2 GB).
+        tensors = vocoder_tensors(load_tensors(path, mmap=False), num_quantizers=cfg.num_quantizers)
         assign(vocoder, tensors, where=str(path), device=device, dtype=dtype)
         return vocoder.eval()
 

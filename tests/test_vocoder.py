@@ -18,7 +18,14 @@ from kazeia import native
 from kazeia.checkpoint import assign
 from kazeia.config import CheckpointError, VocoderConfig
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
-from kazeia.vocoder import POLYPHASE_MIN_POSITIONS, DecoderTransConv, Vocoder, VocoderState, vocoder_tensors
+from kazeia.vocoder import (
+    POLYPHASE_MIN_POSITIONS,
+    DecoderConv,
+    DecoderTransConv,
+    Vocoder,
+    VocoderState,
+    vocoder_tensors,
+)
 
 FILES = pathlib.Path(__file__).resolve().parent.parent / "kazeia" / "reference_files"
 REAL_CONFIG = FILES / "Qwen3-TTS-12Hz-0.6B-CustomVoice" / "speech_tokenizer" / "config.json"
@@ -230,3 +237,15 @@ def test_vocoder_without_the_compiled_library_matches_the_reference(tiny: Setup,
     eager = tiny.vocoder(codes)
     assert max_diff(eager, tiny.reference_decode(codes)) <= TOL
     assert max_diff(eager, compiled) <= TOL
+
+
+def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setup):
+    """After loading, every time-major conv's weight is laid out (C_out, k, C_in), which the conv
+    reads without a per-call copy, with the released shape and values."""
+    convs = [m for m in tiny.vocoder.modules() if isinstance(m, DecoderConv)]
+    assert len(convs) == 2 + 3 * 2 * len(tiny.cfg.upsample_rates)
+    for name, module in tiny.vocoder.named_modules():
+        if isinstance(module, DecoderConv):
+            weight = module.conv.weight
+            assert weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last), name
+            assert torch.equal(weight, tiny.tensors[f"decoder.{name}.conv.weight"]), name
