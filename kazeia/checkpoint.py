@@ -87,8 +87,14 @@ def _download(repo_id: str, offline: bool | None) -> Path:
         raise CheckpointError(f"{repo_id}: download failed ({e})") from None
 
 
-def load_tensors(path: Path, dtype: torch.dtype | None = None, mmap: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, floating ones in `dtype` (None: as stored).
+def load_tensors(
+    path: Path,
+    dtype: torch.dtype | None = None,
+    mmap: bool = True,
+    wanted: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file (those whose name `wanted` accepts, when given), floating
+    ones in `dtype` (None: as stored).
 
     When nothing needs converting and `mmap` allows it, the file is memory-mapped (no copy at all).
     Otherwise tensors are read and converted one at a time, so the file's copy and the converted
@@ -103,8 +109,9 @@ def load_tensors(path: Path, dtype: torch.dtype | None = None, mmap: bool = True
         with safe_open(str(path), framework="pt") as f:  # validates the header
             stored = {f.get_slice(name).get_dtype() for name in f.keys()}
         if mmap and (dtype is None or stored <= {_SAFETENSORS_DTYPES[dtype], *_NOT_FLOATING}):
-            return load_file(str(path), device="cpu")
-        return _read_converting(path, dtype)
+            mapped = load_file(str(path), device="cpu")
+            return mapped if wanted is None else {name: t for name, t in mapped.items() if wanted(name)}
+        return _read_converting(path, dtype, wanted)
     except FileNotFoundError:
         raise CheckpointError(f"missing file: {path}") from None
     except (SafetensorError, OSError, ValueError, RuntimeError, KeyError) as e:
@@ -127,14 +134,19 @@ _TORCH_DTYPES = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 _NOT_FLOATING = {"I64", "I32", "I16", "I8", "U8", "BOOL"}
 
 
-def _read_converting(path: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Read the file sequentially (8-byte header length, JSON header, raw little-endian data)."""
+def _read_converting(
+    path: Path, dtype: torch.dtype | None, wanted: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
+    """Read the file sequentially (8-byte header length, JSON header, raw little-endian data),
+    skipping the tensors `wanted` rejects."""
     out = {}
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
         header.pop("__metadata__", None)
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            if wanted is not None and not wanted(name):
+                continue
             begin, end = info["data_offsets"]
             buffer = bytearray(end - begin)
             f.seek(8 + header_len + begin)

@@ -137,6 +137,17 @@ def test_converting_read_equals_memory_mapped_conversion(tiny_checkpoints):
         assert torch.equal(converted[name], tensor.to(torch.bfloat16)), name
 
 
+def test_tensors_can_be_picked_by_name_mapped_or_read(tiny_checkpoints):
+    from kazeia.checkpoint import load_tensors
+
+    path = tiny_checkpoints["0.6B-custom"] / "speech_tokenizer" / "model.safetensors"
+    everything = load_tensors(path)
+    wanted = lambda name: name.startswith("decoder.upsample.")  # noqa: E731
+    for picked in (load_tensors(path, wanted=wanted), load_tensors(path, mmap=False, wanted=wanted)):
+        assert picked.keys() == {name for name in everything if wanted(name)} and picked
+        assert all(torch.equal(picked[name], everything[name]) for name in picked)
+
+
 def test_wrong_model_type(checkpoint_copy):
     cfg = json.loads((checkpoint_copy / "config.json").read_text())
     cfg["model_type"] = "llama"

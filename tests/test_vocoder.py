@@ -15,10 +15,12 @@ from reference import load_reference
 from safetensors.torch import save_file
 
 from kazeia import native
+from kazeia import vocoder as vocoder_module
 from kazeia.checkpoint import assign
 from kazeia.config import CheckpointError, VocoderConfig
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
 from kazeia.vocoder import (
+    GEMM_MIN_WEIGHT_RATIO,
     POLYPHASE_MIN_POSITIONS,
     DecoderConv,
     DecoderTransConv,
@@ -249,3 +251,31 @@ def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setu
             weight = module.conv.weight
             assert weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last), name
             assert torch.equal(weight, tiny.tensors[f"decoder.{name}.conv.weight"]), name
+
+
+@pytest.mark.parametrize("batch, positions", [(1, 2), (2, 1), (2, 300)])
+def test_decoder_conv_is_conv1d_as_product_or_conv(batch: int, positions: int, monkeypatch):
+    """`DecoderConv` gives PyTorch's causal Conv1d over the carried and new inputs, whether it runs
+    as a matrix product (weight >= GEMM_MIN_WEIGHT_RATIO x input: the short calls here) or as a
+    conv (the long one), with its weight stored as `init_buffers` leaves it."""
+    torch.manual_seed(1)
+    conv = DecoderConv(32, 256, 7, dilation=2)
+    conv.slot = 0
+    with torch.no_grad():
+        conv.conv.weight.copy_(torch.randn_like(conv.conv.weight) / 8)
+        conv.conv.bias.copy_(torch.randn_like(conv.conv.bias))
+    conv.init_buffers("cpu")
+    tail, x = torch.randn(batch, conv.keep, 32), torch.randn(batch, positions, 32)  # time-major
+    as_product = conv.conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * (conv.keep + positions) * 32 * batch
+    assert as_product == (positions < 100)
+    state = VocoderState(tails=[tail.clone()], caches=[])
+    convs = []
+    conv2d = F.conv2d
+    monkeypatch.setattr(vocoder_module.F, "conv2d", lambda *a, **k: convs.append(1) or conv2d(*a, **k))
+    with torch.no_grad():
+        got = conv(x, state)
+    assert len(convs) == (0 if as_product else 1)
+    with torch.no_grad():
+        expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), conv.conv.weight, conv.conv.bias, dilation=2)
+    torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    assert torch.equal(state.tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])
