@@ -54,7 +54,7 @@ def _cpu_signature() -> str:
 
 
 def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
-    """Compile the sources (once per source, flags, compiler and CPU) and return the library path."""
+    """Compile the sources (once per version of them, flags, compiler and CPU); return the library path."""
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} not found")
@@ -104,7 +104,7 @@ def _prune(target_dir: Path, keep: Path) -> None:
 
 
 _P, _INT, _LONG, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-SIGNATURES = {  # argument and result types of decode.c's functions (pointers: tensors' data_ptr())
+SIGNATURES = {  # argument and result types of the C functions (pointers: tensors' data_ptr())
     "add_rms_norm": ([_P, _P, _P, _P, _INT, _INT, _F, _INT], None),
     "attend": ([*[_P] * 8, *[_INT] * 6, _F, _INT], None),
     "silu_mul": ([_P, _P, _INT, _INT, _INT], None),
