@@ -14,6 +14,7 @@ the layout oneDNN's convolutions are fastest in here (96 channels at 24 kHz: 1.4
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +28,17 @@ from torch import nn
 from . import native
 from .checkpoint import assign, load_tensors
 from .config import CheckpointError, VocoderConfig
-from .layers import Attention, RMSNorm, Rotary, SwiGLU, can_pack, causal_mask, fuse_projections, pack_linears
+from .layers import (
+    LINEAR_POINTWISE,
+    Attention,
+    RMSNorm,
+    Rotary,
+    SwiGLU,
+    can_pack,
+    causal_mask,
+    fuse_projections,
+    pack_linears,
+)
 
 SEMANTIC_QUANTIZERS = 1  # codebook 0 has its own output projection (rvq_first); the others share one
 CODEBOOK_EPS = 1e-5  # clamp on cluster_usage when turning running sums into codebook vectors
@@ -207,25 +218,45 @@ class DecoderTransConv(TransConv):
     oneDNN conv with s * C_out output channels (phase-major) whose output is already in time order;
     for shorter ones, as `TransConv` does (one product per input and an overlap-add): oneDNN's
     per-call weight reorder then costs more than its faster arithmetic saves (the 1536-channel
-    first block, 4 inputs a frame: 54 against 42 ms per 32 frames).
+    first block, 4 inputs a frame: 54 against 42 ms per 32 frames). A module whose calls stay that
+    short can `pack` its weight for oneDNN's matmul instead (Vocoder.load does so for the first
+    block on the CPU): 38 -> 24 ms per 32 frames, 10 -> 3.4 ms for a 1-frame streaming chunk.
     """
+
+    def __init__(self, cin: int, cout: int, kernel: int, stride: int):
+        super().__init__(cin, cout, kernel, stride)
+        self.shape = (cin, cout, kernel)  # conv.weight's, which `pack` drops
+        self.register_buffer("packed", None, persistent=False)  # (C_out*k, C_in) packed, after `pack`
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Put the weight in oneDNN's packed matmul layout (CPU, float32 or bfloat16; see
+        `layers.can_pack`) in place of conv.weight; the polyphase path, which needs the original,
+        is then off."""
+        cin, cout, k = self.shape
+        weight = self.conv.weight.reshape(cin, cout * k).t()  # (C_out*k, C_in), a Linear's (a view: no copy)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.conv.weight = None
 
     def forward(self, x: torch.Tensor, state: VocoderState, act: SnakeBeta | None = None) -> torch.Tensor:
         B, L, _ = x.shape
-        s, (cin, cout, k) = self.stride, self.conv.weight.shape
+        s, (cin, cout, k) = self.stride, self.shape
         if self.keep > 0:
             x = _time_major_input(x, state, self.slot, self.keep, act)  # (B, keep + L, C_in)
         elif act is not None:
             x = act(x)
         taps = k // s
-        if L >= POLYPHASE_MIN_POSITIONS and taps * s == k:
+        if self.packed is not None:
+            spread = LINEAR_POINTWISE(x.reshape(-1, cin), self.packed, None, "none", [], "").view(B, -1, cout * k)
+        elif L >= POLYPHASE_MIN_POSITIONS and taps * s == k:
             # weight[c_in, c_out, tap*s + p] for input t - tap -> kernel (s*C_out, C_in, 1, taps),
             # kernel position j = keep - tap, in the channels-last layout the conv reads
             w = self.conv.weight.view(cin, cout, taps, s).permute(3, 1, 0, 2).flip(-1)  # (s, C_out, C_in, taps)
             w = w.reshape(s * cout, cin, 1, taps).contiguous(memory_format=torch.channels_last)
             y = F.conv2d(x.transpose(1, 2).unsqueeze(2), w, self.conv.bias.repeat(s))  # (B, s*C_out, 1, L)
             return y.squeeze(2).transpose(1, 2).reshape(B, L * s, cout)
-        spread = torch.matmul(x, self.conv.weight.reshape(cin, cout * k))  # (B, keep + L, C_out*k)
+        else:
+            spread = torch.matmul(x, self.conv.weight.reshape(cin, cout * k))  # (B, keep + L, C_out*k)
         spread = spread.view(B, -1, cout, taps, s)  # (B, keep + L, C_out, taps, s)
         y = spread[:, self.keep :, :, 0]
         for tap in range(1, taps):  # input t - tap adds its tap-th block of s outputs
@@ -458,6 +489,11 @@ class Vocoder(nn.Module):
             # on their few positions a frame, 1-frame streaming chunks 84 -> 77 ms, 4-frame 42 -> 39.
             fuse_projections(vocoder.pre_transformer)
             pack_linears(vocoder)
+            inputs = math.prod(cfg.upsampling_ratios)  # per frame, into the first decoder block
+            for block, rate in zip(vocoder.decoder[1:-2], cfg.upsample_rates, strict=True):
+                if inputs * OFFLINE_BLOCK < POLYPHASE_MIN_POSITIONS:  # never polyphase offline
+                    block.block[1].pack()
+                inputs *= rate
         return vocoder.eval()
 
     def new_state(self, batch: int = 1) -> VocoderState:

@@ -180,6 +180,9 @@ def test_load_from_released_layout(tiny: Setup, tmp_path):
     # On the CPU loading also moves the linears onto oneDNN's packed weights (other sum order).
     packed = [name for name, m in loaded.named_modules() if isinstance(m, PackedLinear)]
     assert len(packed) == (4 * tiny.cfg.num_layers + 2 + 2 * 2 if can_pack(torch.float32) else 0), packed
+    # ...and the first block's transposed conv (4 inputs a frame: never polyphase) onto a packed weight
+    transposed = [m for m in loaded.modules() if isinstance(m, DecoderTransConv)]
+    assert [m.packed is not None for m in transposed] == [can_pack(torch.float32), False, False, False]
     assert max_diff(loaded(codes), tiny.vocoder(codes)) <= TOL
     assert max_diff(loaded(codes), tiny.reference_decode(codes)) <= TOL
 
@@ -215,22 +218,31 @@ def test_unbatched_codes_and_state_batch(tiny: Setup):
         tiny.vocoder.decode_chunk(codes, tiny.vocoder.new_state(2))
 
 
-@pytest.mark.parametrize("positions", [40, POLYPHASE_MIN_POSITIONS + 44])
-def test_decoder_transposed_conv_is_conv_transpose1d(positions: int):
-    """Both ways `DecoderTransConv` computes (overlap-add below POLYPHASE_MIN_POSITIONS inputs, one
-    polyphase conv from there) give PyTorch's ConvTranspose1d, trimmed as the reference trims it,
-    over the carried input and the new ones; the carried input moves on."""
+@pytest.mark.parametrize(
+    "positions, packed", [(40, False), (POLYPHASE_MIN_POSITIONS + 44, False), (5, True), (300, True)]
+)
+def test_decoder_transposed_conv_is_conv_transpose1d(positions: int, packed: bool):
+    """Every way `DecoderTransConv` computes (overlap-add below POLYPHASE_MIN_POSITIONS inputs, one
+    polyphase conv from there, the product on a packed weight after `pack`) gives PyTorch's
+    ConvTranspose1d, trimmed as the reference trims it, over the carried input and the new ones;
+    the carried input moves on."""
+    if packed and not can_pack(torch.float32):
+        pytest.skip("no oneDNN packed matmul here")
     torch.manual_seed(0)
     up = DecoderTransConv(12, 8, 6, 3)
     up.slot = 0
     with torch.no_grad():
         up.conv.weight.copy_(torch.randn_like(up.conv.weight) / 4)
         up.conv.bias.copy_(torch.randn_like(up.conv.bias))
+    weight = up.conv.weight.detach().clone()
+    if packed:
+        up.pack()
+        assert up.conv.weight is None and "conv.weight" not in up.state_dict()
     tail, x = torch.randn(1, up.keep, 12), torch.randn(1, positions, 12)  # time-major
     state = VocoderState(tails=[tail.clone()], caches=[])
     with torch.no_grad():
         got = up(x, state)
-        full = F.conv_transpose1d(torch.cat((tail, x), 1).transpose(1, 2), up.conv.weight, up.conv.bias, stride=3)
+        full = F.conv_transpose1d(torch.cat((tail, x), 1).transpose(1, 2), weight, up.conv.bias, stride=3)
     expected = full[..., 3 * up.keep : 3 * (up.keep + positions)].transpose(1, 2)  # (1, 3L, 8)
     assert got.shape == (1, 3 * positions, 8)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
