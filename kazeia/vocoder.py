@@ -171,7 +171,7 @@ class DecoderConv(CausalConv):
 
     Runs as a (1 x k) conv2d on the channels-last view of x, with no copy in or out. oneDNN is
     faster in that layout here (2-core AVX-512 EPYC, 32-frame blocks: k7 over 96 channels at 24 kHz
-    99-111 GMAC/s against 69-82 channel-major; 1x1 convs 15-25% faster). `init_buffers` stores the
+    99-111 GMAC/s against 69-82 channel-major; 1x1 convs 15-25% faster). `store_for_reading` stores the
     weight in that layout too (same shape and values), else PyTorch copies it so on every call.
 
     oneDNN also reorders the weight on every call, which dominates when the weight is much larger
@@ -199,8 +199,8 @@ class DecoderConv(CausalConv):
         y = F.conv2d(x.transpose(1, 2).unsqueeze(2), weight, conv.bias, dilation=(1, conv.dilation[0]))
         return y.squeeze(2).transpose(1, 2)  # (B, L, C_out)
 
-    def init_buffers(self, device: torch.device | str) -> None:
-        """Called by `checkpoint.assign` after loading: the weight stored (C_out, k, C_in)."""
+    def store_for_reading(self) -> None:
+        """Store the weight (C_out, k, C_in), the order the conv reads (`Vocoder.load` does this)."""
         weight = self.conv.weight.detach()
         stored = weight.transpose(1, 2).contiguous().transpose(1, 2)  # a no-op when already so
         if stored.data_ptr() != weight.data_ptr():
@@ -479,22 +479,34 @@ class Vocoder(nn.Module):
             vocoder = cls(cfg)
         path = root / "model.safetensors"
         # Read, not memory-mapped: the decoder convs' weights are stored anew (`DecoderConv.
-        # init_buffers`), and a map would keep the file's copy of them resident as well (0.2 GB).
-        # The encoder's tensors (same file) are skipped, not read.
+        # store_for_reading`), and a map would keep the file's copy of them resident as well (0.2
+        # GB). The encoder's tensors (same file) are skipped, not read.
         released = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith("encoder."))
         tensors = vocoder_tensors(released, num_quantizers=cfg.num_quantizers)
+        del released
         assign(vocoder, tensors, where=str(path), device=device, dtype=dtype)
-        if torch.device(device).type == "cpu" and can_pack(dtype):
-            # The transformer's and ConvNeXt's linears on oneDNN's packed weights, as the talker's:
-            # on their few positions a frame, 1-frame streaming chunks 84 -> 77 ms, 4-frame 42 -> 39.
-            fuse_projections(vocoder.pre_transformer)
-            pack_linears(vocoder)
-            inputs = math.prod(cfg.upsampling_ratios)  # per frame, into the first decoder block
-            for block, rate in zip(vocoder.decoder[1:-2], cfg.upsample_rates, strict=True):
-                if inputs * OFFLINE_BLOCK < POLYPHASE_MIN_POSITIONS:  # never polyphase offline
-                    block.block[1].pack()
-                inputs *= rate
+        del tensors  # the modules hold the only references: each weight replaced below is freed at once
+        vocoder._prepare(device, dtype)
         return vocoder.eval()
+
+    def _prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Loaded weights into the layouts the decoder reads fastest (results change by float
+        rounding only): convolution weights stored (C_out, k, C_in); on the CPU, where oneDNN
+        packs matmul weights, the transformer's and ConvNeXt's linears packed as the talker's (on
+        their few positions a frame: 1-frame streaming chunks 84 -> 77 ms, 4-frame 42 -> 39), and
+        so is the transposed conv of each decoder block whose offline calls never go polyphase."""
+        for module in self.modules():
+            if isinstance(module, DecoderConv):
+                module.store_for_reading()
+        if torch.device(device).type != "cpu" or not can_pack(dtype):
+            return
+        fuse_projections(self.pre_transformer)
+        pack_linears(self)
+        inputs = math.prod(self.cfg.upsampling_ratios)  # per frame, into the first decoder block
+        for block, rate in zip(self.decoder[1:-2], self.cfg.upsample_rates, strict=True):
+            if inputs * OFFLINE_BLOCK < POLYPHASE_MIN_POSITIONS:  # never polyphase offline
+                block.block[1].pack()
+            inputs *= rate
 
     def new_state(self, batch: int = 1) -> VocoderState:
         """A fresh stream: zero conv tails, empty (zero, masked) attention windows, position 0."""

@@ -258,12 +258,15 @@ def test_vocoder_without_the_compiled_library_matches_the_reference(tiny: Setup,
     assert max_diff(eager, compiled) <= TOL
 
 
-def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setup):
-    """After loading, every time-major conv's weight is laid out (C_out, k, C_in), which the conv
-    reads without a per-call copy, with the released shape and values."""
-    convs = [m for m in tiny.vocoder.modules() if isinstance(m, DecoderConv)]
+def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setup, tmp_path):
+    """After `Vocoder.load`, every time-major conv's weight is laid out (C_out, k, C_in), which the
+    conv reads without a per-call copy, with the released shape and values."""
+    (tmp_path / "config.json").write_text(json.dumps(tiny.config))
+    save_file(tiny.tensors, str(tmp_path / "model.safetensors"))
+    loaded = Vocoder.load(tmp_path)
+    convs = [m for m in loaded.modules() if isinstance(m, DecoderConv)]
     assert len(convs) == 2 + 3 * 2 * len(tiny.cfg.upsample_rates)
-    for name, module in tiny.vocoder.named_modules():
+    for name, module in loaded.named_modules():
         if isinstance(module, DecoderConv):
             weight = module.conv.weight
             assert weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last), name
@@ -274,14 +277,14 @@ def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setu
 def test_decoder_conv_is_conv1d_as_product_or_conv(batch: int, positions: int, monkeypatch):
     """`DecoderConv` gives PyTorch's causal Conv1d over the carried and new inputs, whether it runs
     as a matrix product (weight >= GEMM_MIN_WEIGHT_RATIO x input: the short calls here) or as a
-    conv (the long one), with its weight stored as `init_buffers` leaves it."""
+    conv (the long one), with its weight stored as `store_for_reading` leaves it."""
     torch.manual_seed(1)
     conv = DecoderConv(32, 256, 7, dilation=2)
     conv.slot = 0
     with torch.no_grad():
         conv.conv.weight.copy_(torch.randn_like(conv.conv.weight) / 8)
         conv.conv.bias.copy_(torch.randn_like(conv.conv.bias))
-    conv.init_buffers("cpu")
+    conv.store_for_reading()
     tail, x = torch.randn(batch, conv.keep, 32), torch.randn(batch, positions, 32)  # time-major
     as_product = conv.conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * (conv.keep + positions) * 32 * batch
     assert as_product == (positions < 100)
