@@ -154,7 +154,10 @@ class TransConv(nn.Module):
 
 def _time_major_input(x: torch.Tensor, state: VocoderState, slot: int, keep: int, act: SnakeBeta | None):
     """(B, keep + L, C): the `keep` positions carried in state.tails[slot], then act(x) (or x),
-    written straight into one buffer; its last `keep` positions become the new tail."""
+    written straight into one buffer; its last `keep` positions become the new tail. With nothing
+    carried (keep = 0): act(x), or x."""
+    if keep == 0:
+        return x if act is None else act(x)
     B, L, C = x.shape
     padded = x.new_empty(B, keep + L, C)
     padded[:, :keep] = state.tails[slot]
@@ -166,7 +169,14 @@ def _time_major_input(x: torch.Tensor, state: VocoderState, slot: int, keep: int
     return padded
 
 
-class DecoderConv(CausalConv):
+class _TimeMajorTail:
+    """The carried inputs of a time-major conv: (B, keep, C_in)."""
+
+    def new_tail(self, batch: int, **like) -> torch.Tensor:
+        return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
+
+
+class DecoderConv(_TimeMajorTail, CausalConv):
     """`CausalConv` on time-major activations, (B, L, C_in) -> (B, L, C_out), of act(x) when given.
 
     Runs as a (1 x k) conv2d on the channels-last view of x, with no copy in or out. oneDNN is
@@ -181,10 +191,7 @@ class DecoderConv(CausalConv):
     """
 
     def forward(self, x: torch.Tensor, state: VocoderState, act: SnakeBeta | None = None) -> torch.Tensor:
-        if self.keep > 0:
-            x = _time_major_input(x, state, self.slot, self.keep, act)
-        elif act is not None:
-            x = act(x)
+        x = _time_major_input(x, state, self.slot, self.keep, act)  # (B, keep + L, C_in)
         conv, (B, positions, cin) = self.conv, x.shape
         cout, _, k = conv.weight.shape
         if conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * x.numel():
@@ -206,11 +213,8 @@ class DecoderConv(CausalConv):
         if stored.data_ptr() != weight.data_ptr():
             self.conv.weight = nn.Parameter(stored, requires_grad=False)
 
-    def new_tail(self, batch: int, **like) -> torch.Tensor:
-        return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
 
-
-class DecoderTransConv(TransConv):
+class DecoderTransConv(_TimeMajorTail, TransConv):
     """`TransConv` on time-major activations: (B, L, C_in) -> (B, L*s, C_out), of act(x) when given.
 
     With k = taps * s, output t*s + p is a k=taps convolution of inputs t - taps + 1 .. t with the
@@ -225,8 +229,12 @@ class DecoderTransConv(TransConv):
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int):
         super().__init__(cin, cout, kernel, stride)
-        self.shape = (cin, cout, kernel)  # conv.weight's, which `pack` drops
         self.register_buffer("packed", None, persistent=False)  # (C_out*k, C_in) packed, after `pack`
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """conv.weight's (C_in, C_out, k), also once `pack` has dropped it."""
+        return self.conv.in_channels, self.conv.out_channels, self.conv.kernel_size[0]
 
     @torch.no_grad()
     def pack(self) -> None:
@@ -241,10 +249,7 @@ class DecoderTransConv(TransConv):
     def forward(self, x: torch.Tensor, state: VocoderState, act: SnakeBeta | None = None) -> torch.Tensor:
         B, L, _ = x.shape
         s, (cin, cout, k) = self.stride, self.shape
-        if self.keep > 0:
-            x = _time_major_input(x, state, self.slot, self.keep, act)  # (B, keep + L, C_in)
-        elif act is not None:
-            x = act(x)
+        x = _time_major_input(x, state, self.slot, self.keep, act)  # (B, keep + L, C_in)
         taps = k // s
         if self.packed is not None:
             spread = LINEAR_POINTWISE(x.reshape(-1, cin), self.packed, None, "none", [], "").view(B, -1, cout * k)
@@ -263,9 +268,6 @@ class DecoderTransConv(TransConv):
             y = y + spread[:, self.keep - tap : self.keep - tap + L, :, tap]
         y = y.transpose(2, 3).reshape(B, L * s, cout)  # (B, L*s, C_out), a fresh copy
         return y.add_(self.conv.bias)
-
-    def new_tail(self, batch: int, **like) -> torch.Tensor:
-        return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
 
 
 class SnakeBeta(nn.Module):
