@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from . import cpu
 from .audio import SAMPLE_RATE, load_reference_audio
 from .checkpoint import DTYPES, release_freed_memory, resolve
 from .config import GenerationDefaults, ModelConfig
@@ -103,6 +104,7 @@ class Engine:
         threads: CPU threads for torch's kernels (process-wide: `torch.set_num_threads`). Default:
             torch's choice, one per physical core, which is what batch-1 generation wants.
         """
+        cpu.enabled()  # a KAZEIA_ISA that cannot be honoured fails here, naming itself
         if threads is not None:
             if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
                 raise ValueError(f"threads must be an integer >= 1, got {threads!r}")

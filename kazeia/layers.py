@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import native
+from . import cpu, native
 
 
 class RMSNorm(nn.Module):
@@ -283,9 +283,16 @@ class PackedLinear(nn.Module):
         return LINEAR_POINTWISE(x, self.weight, self.bias, "none", [], "")
 
 
+PACKING_FEATURE = {torch.bfloat16: "bf16", torch.float16: "f16"}  # kazeia/cpu.py; float32 packs anywhere
+
+
 def can_pack(dtype: torch.dtype) -> bool:
-    """True when this CPU and torch build offer oneDNN packed matmuls for `dtype`."""
+    """True when oneDNN packed matmuls for `dtype` may run: the torch build has oneDNN, the
+    dtype's feature (PACKING_FEATURE) is enabled, and a tiny product really runs."""
     if not torch.backends.mkldnn.is_available():
+        return False
+    feature = PACKING_FEATURE.get(dtype)
+    if feature is not None and not cpu.uses(feature):
         return False
     try:
         w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)

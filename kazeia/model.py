@@ -17,7 +17,7 @@ from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
 from .layers import can_pack, fuse_projections, pack_linears
-from .quant import QuantEmbedding, quantize_linears
+from .quant import QuantEmbedding, int8_supported, quantize_linears
 from .talker import Talker
 
 # Released prefix -> module prefix, first match wins.
@@ -47,6 +47,8 @@ class TTSModel(nn.Module):
         int8 = dtype == "int8"
         if int8 and torch.device(device).type != "cpu":
             raise ValueError("dtype 'int8' runs on the CPU only; use bfloat16 or float16 on a GPU")
+        if int8 and (why := int8_supported()) is not None:
+            raise ValueError(f"dtype 'int8' cannot run here: {why}; use float32 or bfloat16")
         with torch.device("meta"):
             model = cls(cfg)
         # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep

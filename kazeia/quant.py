@@ -21,17 +21,14 @@ wherever the native library is available (the compiled decode step, and `QuantLi
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import nn
 
-from . import native
+from . import cpu, native
 from .layers import replace_linears
 
 INT8_MAX = 127.0
@@ -43,20 +40,23 @@ _OVERLOAD = torch.ops.quantized.linear_dynamic.default
 LINEAR_DYNAMIC = getattr(_OVERLOAD, "_op", _OVERLOAD)
 
 
-@functools.cache
 def needs_reduced_range() -> bool:
-    """True unless the CPU has VNNI int8 dot products.
+    """True unless the int8 GEMM runs its AVX-512 VNNI kernel (the `vnni` feature, kazeia/cpu.py).
 
-    Without VNNI, the int8 GEMM multiplies uint8 activations by int8 weights into saturating 16-bit
-    pair sums, so activations must be limited to 7 bits (more activation error). With VNNI the sums
-    go straight to 32 bits and the full 8 bits are safe (measured here: 1.2% instead of 2.0% output
-    error on random layers).
+    Its other kernels multiply uint8 activations by int8 weights into saturating 16-bit pair sums,
+    so activations must be limited to 7 bits there (more activation error, which the second row
+    takes back: see `split_rows`). With VNNI the sums go straight to 32 bits and all 8 bits are safe.
     """
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return not any(f in flags.split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return not cpu.uses("vnni")
+
+
+def int8_supported() -> str | None:
+    """None when int8 products can run here, else the reason they cannot."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this torch build has no fbgemm int8 GEMM"
+    if not cpu.uses("avx2"):
+        return "int8 needs a CPU with AVX2 (the int8 GEMM has no kernel below it)"
+    return None
 
 
 def activation_scale(low: float, high: float, levels: int) -> float:

@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+from conftest import INT8
 import torch
 from reference import load_reference
 from safetensors.torch import load_file, save_file
@@ -115,7 +116,7 @@ def test_missing_vocoder_tensor_is_named(checkpoint_copy):
         Engine.load(checkpoint_copy)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])  # memory-mapped / read and converted
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", INT8])  # memory-mapped / read and converted
 @pytest.mark.parametrize("name", ["model.safetensors", "speech_tokenizer/model.safetensors"])
 def test_truncated_safetensors(checkpoint_copy, name, dtype):
     path = checkpoint_copy / name

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from conftest import requires_int8
 from kazeia import Engine
-from kazeia.quant import QuantEmbedding, QuantLinear
+from kazeia.quant import QuantEmbedding, QuantLinear, int8_supported
 from kazeia.testing.quality import compare, teacher_forced_logits
 
 TEXT = "The quality guard compares every precision with float32."
@@ -12,12 +13,15 @@ TEXT = "The quality guard compares every precision with float32."
 BOUNDS = {"bfloat16": (0.02, 0.93), "float16": (0.005, 0.98), "int8": (0.03, 0.9)}
 
 
+PRECISIONS = [d for d in BOUNDS if d != "int8" or int8_supported() is None]
+
+
 @pytest.fixture(scope="module")
 def reduced(tiny_checkpoints):
     return {
         (name, dtype): Engine.load(tiny_checkpoints[name], dtype=dtype)
         for name in ("0.6B-custom", "1.7B-custom")
-        for dtype in BOUNDS
+        for dtype in PRECISIONS
     }
 
 
@@ -26,7 +30,7 @@ def qualities(engines, reduced):
     return {key: compare(engine, engines[key[0]], TEXT, frames=30, voice="serena") for key, engine in reduced.items()}
 
 
-@pytest.mark.parametrize("dtype", list(BOUNDS))
+@pytest.mark.parametrize("dtype", [d if d != "int8" else pytest.param(d, marks=requires_int8) for d in BOUNDS])
 @pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
 def test_reduced_precision_stays_close_to_float32(qualities, name, dtype):
     q = qualities[name, dtype]
@@ -36,6 +40,7 @@ def test_reduced_precision_stays_close_to_float32(qualities, name, dtype):
     assert q.audio_snr_db == float("inf")  # the vocoder stays float32: same codes, same audio
 
 
+@requires_int8
 @pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
 def test_int8_error_is_within_twice_bfloat16(qualities, name):
     """The yardstick: int8 error at most twice bfloat16's (measured here: x1.2-1.4 for the talker,
@@ -58,6 +63,7 @@ def test_teacher_forcing_reproduces_free_running_greedy(engines):
     assert torch.equal(cp_logits.argmax(-1), codes[:, 1:])
 
 
+@requires_int8
 def test_int8_layers_are_really_int8(reduced):
     model = reduced["1.7B-custom", "int8"].model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]

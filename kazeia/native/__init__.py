@@ -28,9 +28,12 @@ from pathlib import Path
 
 import torch
 
+from .. import cpu
+
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c"))
-# -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
+# -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
+# target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
+FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -43,6 +46,11 @@ def cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "kazeia") / "native"
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler flags for the features enabled now (kazeia/cpu.py)."""
+    return FLAGS + cpu.compiler_flags(cpu.enabled())
+
+
 def _cpu_signature() -> str:
     """What -march=native depends on: the CPU's model and feature flags."""
     try:
@@ -53,13 +61,15 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
-    """Compile the sources (once per version of them, flags, compiler and CPU); return the library path."""
+def build(compiler: str | None = None, target_dir: Path | None = None, options: tuple[str, ...] | None = None) -> Path:
+    """Compile the sources (once per version of them, flags, compiler and CPU); return the library path.
+    `options`: the compiler flags (default: `flags()`)."""
     compiler = compiler or os.environ.get("CC") or "cc"
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} not found")
+    options = flags() if options is None else options
     sources = [source.read_bytes() for source in SOURCES]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), compiler.encode(), _cpu_signature().encode()]))
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(options).encode(), compiler.encode(), _cpu_signature().encode()]))
     target_dir = target_dir or cache_dir()
     path = target_dir / f"decode-{key.hexdigest()[:16]}.so"
     if path.exists():
@@ -69,7 +79,7 @@ def build(compiler: str | None = None, target_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        cmd = [compiler, *options, *map(str, SOURCES), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
@@ -115,13 +125,23 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
 }
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled library, or None (disabled, no compiler, build failure: warned once)."""
+    """The compiled library for the enabled CPU features, or None (disabled, no compiler, build
+    failure: warned once)."""
     if not enabled() or sys.platform == "win32":
         return None
+    return _library(flags())
+
+
+def reset() -> None:
+    """Forget the libraries loaded so far (for tests that change the compiler or the cache)."""
+    _library.cache_clear()
+
+
+@functools.cache
+def _library(options: tuple[str, ...]) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(build(options=options)))
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         what = "compiled decode steps and vocoder activation unavailable, using eager PyTorch"
         warnings.warn(f"kazeia: {what} ({err})", stacklevel=2)

@@ -1,0 +1,132 @@
+"""CPU features (kazeia/cpu.py): what KAZEIA_ISA selects, what each path does with it, and the
+suite's ISA-sensitive tests run again under every instruction-set level this CPU supports, with
+the libraries capped to it as well (a smaller CPU emulated), and under the portable one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kazeia import Engine, cpu, native
+from kazeia.layers import can_pack
+from kazeia.quant import int8_supported, needs_reduced_range
+
+ALL = frozenset(cpu.FEATURES)
+ZEN3 = frozenset({"avx2"})
+
+
+def test_native_and_portable():
+    assert cpu.parse(None, ALL) == cpu.parse("native", ALL) == ALL
+    assert cpu.parse("portable", ALL) == frozenset()
+    assert cpu.parse("", ZEN3) == ZEN3
+
+
+def test_a_list_is_exact_and_signed_words_change_the_detected_set():
+    assert cpu.parse("avx2", ALL) == {"avx2"}
+    assert cpu.parse("AVX512, avx2", ALL) == {"avx2", "avx512"}
+    assert cpu.parse("-vnni,-bf16", ALL) == {"avx2", "avx512", "f16"}
+    assert cpu.parse("-f16,+f16", ALL) == ALL
+
+
+@pytest.mark.parametrize(
+    ("value", "have", "message"),
+    [
+        ("avx512", ZEN3, "asks for avx512, which this CPU does not have"),
+        ("+vnni", ZEN3, "asks for vnni"),
+        ("sse9", ALL, "unknown feature 'sse9'"),
+        ("avx2,-vnni", ALL, "not both"),
+        ("avx2,vnni", ALL, "vnni needs avx512"),
+        ("-avx2", ALL, "needs avx2"),
+    ],
+)
+def test_what_cannot_be_honoured_is_an_error_naming_it(value, have, message):
+    with pytest.raises(ValueError, match=message):
+        cpu.parse(value, have)
+
+
+def test_detection_keeps_only_usable_features(monkeypatch):
+    flags = frozenset({"avx2", "fma", "f16c", "avx_vnni", "avx512_vnni"})  # VNNI without AVX-512
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu, "_x86", lambda: True)
+    cpu.detected.cache_clear()
+    try:
+        assert cpu.detected() == {"avx2"}  # fbgemm's VNNI kernel is an AVX-512 one; AVX-VNNI has none
+    finally:
+        cpu.detected.cache_clear()
+
+
+def test_compiler_flags_follow_the_features():
+    have = cpu.detected()
+    assert cpu.compiler_flags(have) == ("-march=native",)  # all of its own: built for this very CPU
+    if cpu._x86():
+        portable = cpu.compiler_flags(frozenset())
+        assert "-march=x86-64" in portable and not any(f.startswith("-mavx") for f in portable)
+        if "avx512" in have:
+            assert "-mavx512f" not in cpu.compiler_flags(frozenset({"avx2"}))
+            assert "-mavx2" in cpu.compiler_flags(frozenset({"avx2"}))
+
+
+def test_each_path_follows_kazeia_isa(monkeypatch):
+    monkeypatch.setenv("KAZEIA_ISA", "portable")
+    assert needs_reduced_range()
+    assert not can_pack(torch.bfloat16) and not can_pack(torch.float16)
+    assert "AVX2" in int8_supported()
+    assert "-march=x86-64" in native.flags() or not cpu._x86()
+    monkeypatch.setenv("KAZEIA_ISA", "native")
+    assert needs_reduced_range() == ("vnni" not in cpu.detected())
+
+
+def test_int8_is_refused_with_a_reason_where_it_cannot_run(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("KAZEIA_ISA", "portable")
+    with pytest.raises(ValueError, match="int8.*AVX2"):
+        Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int8")
+
+
+def test_a_bad_kazeia_isa_fails_the_load_with_its_name(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("KAZEIA_ISA", "avx9000")
+    with pytest.raises(ValueError, match="KAZEIA_ISA"):
+        Engine.load(tiny_checkpoints["0.6B-custom"])
+
+
+# -- the suite's ISA-sensitive tests at every level this CPU supports -------------------------------
+ISA_SENSITIVE = [
+    "test_native.py",
+    "test_quant.py",
+    "test_layers.py",
+    "test_quality.py",
+    "test_vocoder.py",
+    "test_parity.py",
+    "test_engine.py",
+    "test_streaming.py",
+]
+NESTED = "KAZEIA_TEST_ISA_LEVEL"  # set in the runs below, so they do not start runs of their own
+
+
+def levels() -> list[str]:
+    """The portable level and each level on the way to what this CPU has (the full set is the
+    suite's own run): every feature runs once off and once on."""
+    have = cpu.detected()
+    chain = [f for f in cpu.FEATURES if f in have]
+    out = ["portable"] + [",".join(chain[:n]) for n in range(1, len(chain))]
+    return out if have else []
+
+
+@pytest.mark.skipif(bool(os.environ.get(NESTED)), reason="already inside a level's run")
+@pytest.mark.parametrize("level", levels())
+def test_the_isa_sensitive_tests_pass_at_every_level(level):
+    features = cpu.parse(level, cpu.detected())
+    env = {**os.environ, **cpu.library_caps(features), "KAZEIA_ISA": level, NESTED: level}
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *(str(tests / t) for t in ISA_SENSITIVE)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, f"KAZEIA_ISA={level}:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
