@@ -1,9 +1,9 @@
 """Frozen configuration dataclasses read from a released checkpoint's JSON files.
 
-Scope: `config.json` (talker + code predictor, and the speaker encoder of Base checkpoints),
-`speech_tokenizer/config.json` (the vocoder and the encoder) and `generation_config.json`
-(sampling defaults). Every field the engine uses is read explicitly; a missing key is a
-`CheckpointError` naming the file and the key.
+Scope: `config.json` (talker + code predictor, and the speaker encoder of Base checkpoints) and
+`speech_tokenizer/config.json` (the vocoder and the encoder); `generation_config.json` holds the
+sampling defaults, read by `SamplingOptions.from_file` (kazeia/sampling.py). Every field the
+engine uses is read explicitly; a missing key is a `CheckpointError` naming the file and the key.
 """
 
 from __future__ import annotations
@@ -234,32 +234,6 @@ class VocoderConfig:
                 f"{path}: upsampling factors multiply to {total}, but decode_upsample_rate is {cfg.samples_per_frame}"
             )
         return cfg
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """Sampling defaults from `generation_config.json` (the reference wrapper's fallbacks)."""
-
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    subtalker_dosample: bool = True
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
-    max_new_tokens: int = 2048  # the reference's hard fallback when the file lacks it
-
-    @classmethod
-    def from_file(cls, path: Path) -> GenerationDefaults:
-        data = read_json(path)
-        known = set(cls.__dataclass_fields__)
-        values = {k: v for k, v in data.items() if k in known}
-        try:
-            return cls(**values)
-        except TypeError as e:  # pragma: no cover - dataclass with only known keys
-            raise CheckpointError(f"{path}: {e}") from None
 
 
 @dataclass(frozen=True)

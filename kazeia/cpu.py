@@ -140,7 +140,9 @@ def library_caps(features: frozenset[str]) -> dict[str, str]:
     `features`, as on a CPU that has nothing else."""
     avx2, avx512 = "avx2" in features, "avx512" in features
     if avx512:
-        onednn = "AVX512_CORE_BF16" if "bf16" in features else "AVX512_CORE_VNNI" if "vnni" in features else "AVX512_CORE"
+        onednn = (
+            "AVX512_CORE_BF16" if "bf16" in features else "AVX512_CORE_VNNI" if "vnni" in features else "AVX512_CORE"
+        )
         if "f16" in features:
             onednn = "AVX512_CORE_FP16"
         return {

@@ -1,42 +1,28 @@
-"""The frame loop: talker prefill, then one talker step + 15 code-predictor steps per frame.
+"""The frame loop: `prefill`, then `decode_frame` once per frame.
 
-`frames()` is the only generation loop; offline synthesis, streaming and every front end consume it.
-It follows the reference loop exactly (spec §3.7): the talker samples codebook 0, the code predictor
-fills codebooks 1..15, the summed embeddings of the 16 codes plus the next text-track vector become
-the talker's next input. Generation ends when the talker samples EOS or has sampled
-`max_new_tokens` tokens; that last token never becomes a frame.
+A frame is 16 codes: the talker samples codebook 0 from its hidden state, the code predictor fills
+codebooks 1..15 (`predict_codes`), and the summed embeddings of the 16 codes plus the next
+text-track vector are the talker's next input (spec §3.7). `prefill` runs the talker over the
+prompt and makes the first frame; `decode_frame` runs one talker step on the previous frame and
+makes the next. `frames()` is the only generation loop; offline synthesis, streaming and every
+front end consume it. Generation ends when the talker samples EOS or has sampled `max_new_tokens`
+tokens (that last token never becomes a frame), or when the text source or `should_stop` says so.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .code_predictor import CodePredictor
 from .layers import KVCache
+from .model import TTSModel
 from .prompt import Prompt, frame_embedding
-from .sampling import SamplingOptions, choose, talker_scores
+from .sampling import SamplingOptions, sample, talker_scores
 from .talker import Talker
 
 CACHE_BLOCK = 256  # talker KV positions allocated at a time (grown by whole blocks)
-
-
-@dataclass
-class FrameStats:
-    """Where generation time goes (filled in when passed to `frames`; for benchmarks)."""
-
-    prefill_s: float = 0.0  # talker over the prompt, first token included
-    talker_s: float = 0.0  # talker steps: next input, decoder step, head, sampling
-    predictor_s: float = 0.0  # code predictor: 15 steps with sampling
-    frames: int = 0
-
-    def clock(self, device: torch.device) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
 
 
 class TalkerCache:
@@ -60,84 +46,99 @@ def _round_up(n: int) -> int:
     return -(-n // CACHE_BLOCK) * CACHE_BLOCK
 
 
-def _predict_codes(
-    predictor: CodePredictor,
-    talker: Talker,
-    cache: list[KVCache],
-    hidden: torch.Tensor,
-    first: torch.Tensor,
-    opts: SamplingOptions,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """hidden (1, 1, H) talker state, first (1,) codebook-0 token -> the frame's 16 codes (1, 16)."""
-    sample = lambda logits: choose(  # noqa: E731 - the predictor's fixed warper settings
-        logits.float(),
-        opts.subtalker_dosample,
-        opts.subtalker_temperature,
-        opts.subtalker_top_k,
-        opts.subtalker_top_p,
+@dataclass
+class Decoding:
+    """One request's state between frames."""
+
+    opts: SamplingOptions
+    generator: torch.Generator | None  # every random draw of the request
+    cache: TalkerCache
+    predictor_cache: list[KVCache]  # reused (overwritten from position 0) every frame
+    history: torch.Tensor  # (1, max_new_tokens) int64: the codebook-0 tokens sampled so far
+    length: int  # prompt positions
+    frames: int = 0  # frames made so far
+    codes: torch.Tensor | None = None  # (1, 16) the last frame
+
+
+def prefill(model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
+    """The talker over the prompt, then the first frame: -> (Decoding, codes (1, 16) or None)."""
+    talker, device = model.talker, prompt.embeds.device
+    length = prompt.embeds.shape[1]
+    state = Decoding(
+        opts,
         generator,
+        TalkerCache(talker, length + min(opts.max_new_tokens, CACHE_BLOCK)),
+        model.code_predictor.new_cache(),
+        torch.empty(1, opts.max_new_tokens, dtype=torch.long, device=device),
+        length,
     )
-    x = torch.cat((hidden, talker.codec_embedding(first[:, None])), dim=1)  # (1, 2, H)
-    out = predictor(x, cache, 0)
-    codes = [first, sample(predictor.lm_head[0](out[:, -1]))]
+    hidden = talker(prompt.embeds, state.cache.layers, 0)[:, -1:]  # (1, 1, H)
+    return state, _frame(model, state, hidden)
+
+
+def decode_frame(model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
+    """The next frame: the talker steps on the last frame's embedding plus `text` (1, 1, H), its
+    text-track vector, then samples codebook 0 and the code predictor the rest. -> codes (1, 16),
+    or None at EOS or the token limit."""
+    n = state.frames
+    if n + 1 >= state.opts.max_new_tokens:  # this frame's token would be the last one: never a frame
+        return None
+    x = frame_embedding(model.talker, model.code_predictor, state.codes) + text  # (1, 1, H)
+    state.cache.reserve(state.length + n)
+    hidden = model.talker(x, state.cache.layers, state.length + n - 1)
+    return _frame(model, state, hidden)
+
+
+def _frame(model: TTSModel, state: Decoding, hidden: torch.Tensor) -> torch.Tensor | None:
+    """Codebook 0 from the talker's hidden (1, 1, H); None at EOS, else the frame's 16 codes."""
+    opts, n = state.opts, state.frames
+    logits = model.talker.codec_head(hidden[:, -1])
+    scores = talker_scores(logits, state.history[:, :n], opts, model.cfg.talker.codec_eos_id)
+    token = sample(scores, opts.do_sample, opts.temperature, opts.top_k, opts.top_p, state.generator)
+    state.history[:, n] = token
+    if int(token) == model.cfg.talker.codec_eos_id:
+        return None
+    state.codes = predict_codes(model, state, hidden, token)
+    state.frames += 1
+    return state.codes
+
+
+def predict_codes(model: TTSModel, state: Decoding, hidden: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """The code predictor's 15 steps: hidden (1, 1, H) talker state and first (1,) codebook-0 token
+    -> the frame's 16 codes (1, 16)."""
+    predictor, opts, cache = model.code_predictor, state.opts, state.predictor_cache
+
+    def pick(out: torch.Tensor, g: int) -> torch.Tensor:
+        logits = predictor.lm_head[g](out[:, -1]).float()
+        return sample(
+            logits, opts.subtalker_dosample, opts.subtalker_temperature, opts.subtalker_top_k, opts.subtalker_top_p,
+            state.generator,
+        )  # fmt: skip
+
+    x = torch.cat((hidden, model.talker.codec_embedding(first[:, None])), dim=1)  # (1, 2, H)
+    codes = [first, pick(predictor(x, cache, 0), 0)]
     for g in range(1, predictor.num_groups):
         x = predictor.codec_embedding[g - 1](codes[-1][:, None])  # (1, 1, H)
-        out = predictor(x, cache, g + 1)
-        codes.append(sample(predictor.lm_head[g](out[:, -1])))
+        codes.append(pick(predictor(x, cache, g + 1), g))
     return torch.stack(codes, dim=1)
 
 
 @torch.inference_mode()
 def frames(
-    talker: Talker,
-    predictor: CodePredictor,
+    model: TTSModel,
     prompt: Prompt,
     opts: SamplingOptions,
-    eos_id: int,
     generator: torch.Generator | None,
     should_stop: Callable[[], bool] | None = None,
-    stats: FrameStats | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Yield one (16,) int64 code frame at a time until EOS, `max_new_tokens` or `should_stop()`."""
-    device = prompt.embeds.device
-    clock = (lambda: stats.clock(device)) if stats is not None else (lambda: 0.0)
-    started = clock()
-    length = prompt.embeds.shape[1]
-    cache = TalkerCache(talker, length + min(opts.max_new_tokens, CACHE_BLOCK))
-    cp_cache = predictor.new_cache()
-    history = torch.empty(1, opts.max_new_tokens, dtype=torch.long, device=device)  # codebook-0 tokens
-
-    def next_token(h: torch.Tensor, n: int) -> torch.Tensor:
-        scores = talker_scores(talker.codec_head(h[:, -1]), history[:, :n], opts, eos_id)
-        token = choose(scores, opts.do_sample, opts.temperature, opts.top_k, opts.top_p, generator)
-        history[:, n] = token
-        return token
-
-    hidden = talker(prompt.embeds, cache.layers, 0)[:, -1:]  # (1, 1, H)
-    token = next_token(hidden, 0)  # (1,)
-    step = 0
-    if stats is not None:
-        stats.prefill_s += clock() - started
-    while True:
-        if int(token) == eos_id or step + 1 >= opts.max_new_tokens:
-            return
-        if should_stop is not None and should_stop():
-            return
-        mark = clock()
-        codes = _predict_codes(predictor, talker, cp_cache, hidden, token, opts, generator)
-        if stats is not None:
-            stats.predictor_s += clock() - mark
-            stats.frames += 1
+    """Yield one (16,) int64 code frame at a time until EOS, `max_new_tokens`, the end of a live
+    text source or `should_stop()` (polled before each frame's work)."""
+    if should_stop is not None and should_stop():
+        return
+    state, codes = prefill(model, prompt, opts, generator)
+    while codes is not None:
         yield codes[0]
-        mark = clock()
-        text = prompt.text_at(step)  # live text may wait here for the next token
-        if text is None:
+        text = prompt.text_at(state.frames - 1)  # live text may wait here for the next token
+        if text is None or (should_stop is not None and should_stop()):
             return
-        x = frame_embedding(talker, predictor, codes) + text
-        cache.reserve(length + step + 1)
-        hidden = talker(x, cache.layers, length + step)
-        step += 1
-        token = next_token(hidden, step)
-        if stats is not None:
-            stats.talker_s += clock() - mark
+        codes = decode_frame(model, state, text)

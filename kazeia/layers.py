@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu, native
+from . import cpu
+from .config import TransformerConfig
 
 
 class RMSNorm(nn.Module):
@@ -251,15 +252,43 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def run_stack(layers: nn.ModuleList, norm: RMSNorm, x: torch.Tensor, rope, cache: list, start: int) -> torch.Tensor:
-    """Decoder layers over their caches, then the final norm. One sequence at one or two positions
-    runs the compiled step where it applies (kazeia/native), the same computation with less overhead."""
-    step = native.stack_step(layers, norm, x, cache)
-    if step is not None:
-        return step(x, rope, cache, start)
-    for layer, layer_cache in zip(layers, cache, strict=True):
-        x = layer(x, rope, layer_cache, start)
-    return norm(x)
+class Decoder(nn.Module):
+    """A stack of pre-norm `Block`s over per-layer KV caches, then the final norm: the common part
+    of the talker and the code predictor.
+
+    `native_step` is the implementation of decoding steps (one sequence, 1..native.MAX_POSITIONS
+    new positions), chosen once when the model is loaded (kazeia/model.py): kazeia/native's C glue
+    between the products, or None for these eager layers, which also run every prompt.
+    """
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            Block(
+                cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
+            )
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.native_step: Callable | None = None
+
+    def new_cache(self, capacity: int, batch: int = 1) -> list[KVCache]:
+        """One KVCache per layer, in the activations' cache dtype (`cache_dtype`)."""
+        first = self.layers[0].self_attn
+        w = self.norm.weight  # activation dtype and device (linears may be quantized)
+        dtype = cache_dtype(w.dtype, w.device)
+        return [KVCache(batch, first.kv_heads, capacity, first.head_dim, w.device, dtype) for _ in self.layers]
+
+    def decode(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
+        """x (B, T, H) at positions [start, start + T) of `cache` -> final-normed hidden (B, T, H)."""
+        rope = self.rotary.span(start, x.shape[1], x.dtype, x.device)
+        step = self.native_step
+        if step is not None and step.applies(x, cache):
+            return step(x, rope, cache, start)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x = layer(x, rope, layer_cache, start)
+        return self.norm(x)
 
 
 LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default  # the resolved overload: no lookup per call

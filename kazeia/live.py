@@ -23,6 +23,7 @@ from collections.abc import AsyncIterable, Callable, Iterable
 
 import torch
 
+from .errors import RequestError
 from .text import TextTokenizer
 
 _END = object()
@@ -116,6 +117,13 @@ class LiveText:
         self.waits += waited
         return True
 
+    def wait_for_end(self) -> bool:
+        """Block until the whole text has arrived; False if asked to stop."""
+        while not self.ended:
+            if not self._pull():
+                return False
+        return True
+
     def start(self) -> bool:
         """Block until the first stable token of a text that is not only whitespace (or the end);
         False if asked to stop. An empty or whitespace-only text is a ValueError, as for strings."""
@@ -123,7 +131,7 @@ class LiveText:
             if not self._pull():
                 return False
         if not self.text.strip():
-            raise ValueError("text is empty")
+            raise RequestError("text", "text is empty")
         return True
 
     def _pull(self) -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import native
 from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
@@ -60,17 +61,32 @@ class TTSModel(nn.Module):
         del raw
         assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
         del tensors
-        # Each step frees the weights it replaces; glibc keeps such blocks in its heap, so they are
-        # handed back after every module, or the unfused and fused copies would add up at the peak.
-        fuse_projections(model, after_each=release_freed_memory)
-        if not int8 and torch.device(device).type == "cpu" and can_pack(dtype):
-            # oneDNN's packed batch-1 matmul reads weights ~1.5-1.8x faster than the stock kernel.
-            pack_linears(model, after_each=release_freed_memory)
-        if int8:
-            quantize_linears(model, after_each=release_freed_memory)
-            model.talker.text_embedding = QuantEmbedding.from_float_chunked(model.talker.text_embedding.weight)
-            model.float()
+        model.prepare(torch.device(device), dtype)
         return model.eval()
+
+    def prepare(self, device: torch.device, dtype: torch.dtype | str) -> None:
+        """The loaded weights into the form each step runs fastest in, and the implementations of
+        the products and decoding steps chosen once, here (results change by float rounding only).
+
+        Each step frees the weights it replaces; glibc keeps such blocks in its heap, so they are
+        handed back after every module, or the unfused and fused copies would add up at the peak.
+        """
+        cpu = device.type == "cpu"
+        lib = native.library() if cpu else None  # None: no compiler, KAZEIA_NATIVE=0, or a GPU
+        fuse_projections(self, after_each=release_freed_memory)
+        if dtype == "int8":
+            # Products: fbgemm's int8 GEMM on two activation rows (kazeia/quant.py).
+            quantize_linears(self, lib, after_each=release_freed_memory)
+            self.talker.text_embedding = QuantEmbedding.from_float_chunked(self.talker.text_embedding.weight)
+            self.float()
+        elif cpu and can_pack(dtype):
+            # Products: oneDNN's packed batch-1 matmul (reads weights faster than the stock kernel).
+            pack_linears(self, after_each=release_freed_memory)
+        # Decoding steps (one sequence, 1-2 positions): the C glue between the products where the
+        # native library supports these activations, else the eager layers (always for prompts).
+        activations = self.talker.norm.weight.dtype
+        for stack in (self.talker, self.code_predictor):
+            stack.native_step = native.stack_step(lib, stack.layers, stack.norm, activations)
 
 
 def rename(

@@ -15,42 +15,45 @@ goes. In ICL mode the reference transcript and the target text form one text tra
 reference's code frames one codec track (after codec_bos), laid side by side (`False`) or one after
 the other (`True`), and the talker continues the reference frames (spec §5.3 d). The reference
 package then decodes reference + generated frames together and cuts the reference part off at a
-float-rounded sample (`icl_cut`).
+float-rounded sample (`voices.icl_cut`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .code_predictor import CodePredictor
 from .config import ModelConfig
+from .errors import RequestError
+from .model import TTSModel
 from .talker import Talker
+
+if TYPE_CHECKING:
+    from .voices import Voice
 
 ROLE_IDS = 3  # <|im_start|> assistant \n
 CLOSING_IDS = 5  # <|im_end|> \n <|im_start|> assistant \n
 
 
 @dataclass(frozen=True)
-class Clone:
-    """A Base checkpoint's voice conditioning: the x-vector, plus the reference in ICL mode."""
-
-    x_vector: torch.Tensor  # (H,) speaker embedding, sits in the speaker's place
-    ref_codes: torch.Tensor | None = None  # (T, 16) int64 reference frames (ICL), None for x-vector only
-    ref_text_ids: tuple[int, ...] | None = None  # reference transcript tokens (ICL), no template ids
-
-
-@dataclass(frozen=True)
 class Conditioning:
-    """Resolved voice conditioning of one request (ids and a clone voice's tensors; see `engine.py`
-    for name lookup)."""
+    """Resolved voice conditioning of one request (ids, and a cloned voice; see kazeia/request.py
+    for the name lookup)."""
 
     language_id: int | None  # codec row of the language (after the dialect rule), None for auto
     speaker_id: int | None  # codec row of a preset speaker, None for none
     instruct_ids: tuple[int, ...] | None  # full instruct template ids, None for none
-    clone: Clone | None = None  # Base checkpoints: x-vector (and ICL reference) instead of a speaker
+    voice: Voice | None = None  # Base checkpoints: its x-vector (and ICL reference) instead of a speaker
+    ref_text_ids: tuple[int, ...] | None = None  # ICL voices: the reference transcript's tokens (no template ids)
+
+    @property
+    def icl(self) -> bool:
+        """A cloned voice with its reference codes: the talker continues them (spec §5.3 d)."""
+        return self.voice is not None and self.voice.ref_codes is not None
 
 
 @dataclass
@@ -91,22 +94,26 @@ def _ids(values, device) -> torch.Tensor:
     return torch.tensor([list(values)], dtype=torch.long, device=device)
 
 
+def needs_whole_text(cond: Conditioning, non_streaming_mode: bool) -> bool:
+    """Whether the layout puts all of the text in the prompt (live text must have ended first):
+    `non_streaming_mode=True`, and ICL voices, whose text track is laid beside the reference's codes."""
+    return non_streaming_mode or cond.icl
+
+
+def has_text(text_ids) -> bool:
+    """Whether an assistant template holds any text token between its role and closing ids."""
+    return len(text_ids) > ROLE_IDS + CLOSING_IDS
+
+
 @torch.inference_mode()
-def build_prompt(
-    talker: Talker,
-    cfg: ModelConfig,
-    text_ids: list[int],
-    cond: Conditioning,
-    non_streaming_mode: bool,
-    predictor: CodePredictor | None = None,
-) -> Prompt:
-    """Lay out one request. `text_ids` is the full assistant template (role + text + closing ids).
-    ICL voices need the code predictor too (its embeddings of codebooks 1..15)."""
+def build_prompt(model: TTSModel, text_ids, cond: Conditioning, non_streaming_mode: bool) -> Prompt:
+    """Lay out one request. `text_ids` is the full assistant template (role + text + closing ids)."""
+    talker, predictor, cfg = model.talker, model.code_predictor, model.cfg
     t = cfg.talker
     device = talker.codec_embedding.weight.device
     ids = _ids(text_ids, device)
-    if ids.shape[1] <= ROLE_IDS + CLOSING_IDS:
-        raise ValueError("text produced no tokens")
+    if not has_text(text_ids):
+        raise RequestError("text", "text produced no tokens")
     E_c = talker.codec_embedding
     bos, eos, pad = talker.embed_text(_ids([cfg.tts_bos_id, cfg.tts_eos_id, cfg.tts_pad_id], device)).chunk(3, dim=1)
 
@@ -117,8 +124,8 @@ def build_prompt(
     if cond.speaker_id is not None:
         control.append(cond.speaker_id)
     codec = E_c(_ids(control + [t.codec_pad_id, t.codec_bos_id], device))  # (1, n, H)
-    if cond.clone is not None:  # the x-vector goes where a speaker row would
-        x_vector = cond.clone.x_vector.to(device=device, dtype=codec.dtype).view(1, 1, -1)
+    if cond.voice is not None:  # the x-vector goes where a speaker row would
+        x_vector = cond.voice.x_vector.to(device=device, dtype=codec.dtype).view(1, 1, -1)
         codec = torch.cat((codec[:, :-2], x_vector, codec[:, -2:]), dim=1)
     n = codec.shape[1]
 
@@ -129,8 +136,8 @@ def build_prompt(
         parts.insert(0, talker.embed_text(_ids(cond.instruct_ids, device)))
 
     text = ids[:, ROLE_IDS:-CLOSING_IDS]  # (1, m)
-    if cond.clone is not None and cond.clone.ref_codes is not None:
-        icl, trailing = _icl(talker, predictor, cfg, cond.clone, text, (eos, pad), non_streaming_mode)
+    if cond.icl:
+        icl, trailing = _icl(talker, predictor, cfg, cond, text, (eos, pad), non_streaming_mode)
         parts.append(icl)
     elif non_streaming_mode:
         text_track = torch.cat((talker.embed_text(text), eos), dim=1)
@@ -143,7 +150,9 @@ def build_prompt(
     return Prompt(embeds=torch.cat(parts, dim=1), trailing=trailing, pad=pad, eos=eos)
 
 
-def _icl(talker, predictor, cfg, clone: Clone, text, eos_pad, non_streaming_mode):
+def _icl(
+    talker: Talker, predictor: CodePredictor, cfg: ModelConfig, cond: Conditioning, text, eos_pad, non_streaming_mode
+):
     """ICL positions after the prefix, and the trailing text track (spec §5.3 d).
 
     Text track: reference transcript + target text + tts_eos (T1 vectors); codec track: codec_bos,
@@ -151,13 +160,11 @@ def _icl(talker, predictor, cfg, clone: Clone, text, eos_pad, non_streaming_mode
     codec_pad, then the codec track over tts_pad; `False` adds the tracks position by position,
     the longer text continuing as the trailing track, a shorter one padded with tts_pad.
     """
-    if predictor is None:
-        raise ValueError("ICL prompts need the code predictor's embeddings")
     eos, pad = eos_pad
     t, device = cfg.talker, text.device
-    ref = _ids(clone.ref_text_ids, device)
+    ref = _ids(cond.ref_text_ids, device)
     text_track = torch.cat((talker.embed_text(torch.cat((ref, text), dim=1)), eos), dim=1)  # (1, T1, H)
-    codes = clone.ref_codes.to(device)  # (T, 16)
+    codes = cond.voice.ref_codes.to(device)  # (T, 16)
     frames = frame_embedding(talker, predictor, codes).transpose(0, 1)  # (1, T, H)
     codec_track = torch.cat((talker.codec_embedding(_ids([t.codec_bos_id], device)), frames), dim=1)  # (1, T2, H)
     t1, t2 = text_track.shape[1], codec_track.shape[1]
@@ -167,11 +174,3 @@ def _icl(talker, predictor, cfg, clone: Clone, text, eos_pad, non_streaming_mode
     if t1 > t2:
         return text_track[:, :t2] + codec_track, text_track[:, t2:]
     return torch.cat((text_track, pad.expand(-1, t2 - t1, -1)), dim=1) + codec_track, pad
-
-
-def icl_cut(ref_frames: int, total_frames: int, samples: int) -> int:
-    """Samples the reference drops from the decode of reference + generated frames in ICL mode:
-    `int(ref_len / total_len * n_samples)` in double precision, exactly as qwen-tts computes it.
-    Float rounding makes it ref_frames * 1920 - 1 (keeping the reference's last sample) for about
-    4% of length pairs, ref_frames * 1920 otherwise."""
-    return int(ref_frames / max(total_frames, 1) * samples)

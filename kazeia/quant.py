@@ -16,7 +16,7 @@ The output is row 0 + row 1 / f: the activation error shrinks by f (typically 12
 left is the weights' rounding. A batch-1 GEMM reads each weight once however many rows it
 multiplies, so the second row costs no measurable time (BENCHMARKS.md). `split_rows` is the
 reference; kazeia/native/decode.c (`residual_row`, `combine_rows`) does the same, value for value,
-wherever the native library is available (the compiled decode step, and `QuantLinear.forward`).
+wherever the native library is available (the native decode step, and `QuantLinear.forward`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch import nn
 
-from . import cpu, native
+from . import cpu
 from .layers import replace_linears
 
 INT8_MAX = 127.0
@@ -102,20 +103,22 @@ class QuantLinear(nn.Module):
     """y = x @ W.T + b with W stored int8 per output channel; x, y and b are float32.
 
     Each product runs the int8 GEMM on two rows (`split_rows`): the activation error is ~f times
-    smaller than one 8-bit row's, at the same weight reads."""
+    smaller than one 8-bit row's, at the same weight reads. `native`, chosen when the layer is
+    made: the product with the residual rows and their combination in kazeia/native/decode.c (the
+    same values as `eager`, tested bit for bit), or None where there is no native library."""
 
-    def __init__(self, packed, bias: torch.Tensor | None, in_features: int, out_features: int):
+    def __init__(self, packed, bias: torch.Tensor | None, in_features: int, out_features: int, lib=None):
         super().__init__()
         self.packed = packed  # prepacked int8 weight for the int8 GEMM (opaque; the bias is kept apart)
         self.register_buffer("bias", bias)
         self.in_features, self.out_features = in_features, out_features
         self.reduce_range = needs_reduced_range()
         self.levels = 127 if self.reduce_range else 255  # steps of the GEMM's activation grid
-        self._compiled = None  # the compiled product, or False without the native library (first use)
+        self.native = None if lib is None else self._native_product(lib)
 
     @classmethod
     @torch.no_grad()
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> QuantLinear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, lib=None) -> QuantLinear:
         w = weight.detach().float()
         scales = _row_scales(w)
         zero = torch.zeros(w.shape[0], dtype=torch.long)
@@ -127,18 +130,14 @@ class QuantLinear(nn.Module):
         packed = torch.ops.quantized.linear_prepack(q, None)
         # The bias is added once, after the two rows are combined (the GEMM would add it to both).
         b = None if bias is None else bias.detach().float().clone()
-        return cls(packed, b, w.shape[1], w.shape[0])
+        return cls(packed, b, w.shape[1], w.shape[0], lib)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) float32 -> (..., out). Runs the compiled product where the native library
-        is available (for one row, about half the time of the same arithmetic in PyTorch operations)."""
+        """x (..., in) float32 -> (..., out)."""
         rows = x.reshape(-1, self.in_features)
-        if self._compiled is None:
-            lib = native.library()
-            self._compiled = self.compiled(lib) if lib is not None else False
-        if self._compiled:
+        if self.native is not None:
             # The copy's second half is overwritten with the residual rows.
-            y = self._compiled(torch.cat((rows, rows)))[: rows.shape[0]]
+            y = self.native(torch.cat((rows, rows)))[: rows.shape[0]]
         else:
             y = self.eager(rows)
         return y.view(*x.shape[:-1], self.out_features)
@@ -154,11 +153,10 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y
 
-    def compiled(self, lib) -> Callable[[torch.Tensor], torch.Tensor]:
-        """This product with the residual rows and the combination done by kazeia/native/decode.c,
-        for the compiled decode step and `forward`: `rows` (2m, in) float32 holds the m input rows
-        first; the result is the first m rows of the returned (2m, out) tensor. The same values as
-        `eager` (tested bit for bit)."""
+    def _native_product(self, lib) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This product with kazeia/native/decode.c doing the residual rows and the combination, for
+        `forward` and the native decode step: `rows` (2m, in) float32 holds the m input rows first;
+        the result is the first m rows of the returned (2m, out) tensor."""
         packed, reduce_range, levels, bias = self.packed, self.reduce_range, self.levels, self.bias
         n_in, n_out = self.in_features, self.out_features
         bias_ptr = None if bias is None else bias.data_ptr()
@@ -199,6 +197,7 @@ class QuantEmbedding(nn.Module):
         return self.qweight[ids].float() * self.scales[ids, None]
 
 
-def quantize_linears(module: nn.Module, after_each: Callable[[], None] | None = None) -> None:
-    """Replace every nn.Linear inside `module` by a QuantLinear, in place (one weight at a time)."""
-    replace_linears(module, lambda linear: QuantLinear.from_float(linear.weight, linear.bias), after_each)
+def quantize_linears(module: nn.Module, lib=None, after_each: Callable[[], None] | None = None) -> None:
+    """Replace every nn.Linear inside `module` by a QuantLinear, in place (one weight at a time);
+    `lib`: the native library their products use (None: PyTorch operations only)."""
+    replace_linears(module, lambda linear: QuantLinear.from_float(linear.weight, linear.bias, lib), after_each)

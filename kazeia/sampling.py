@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
+
+from .config import CheckpointError, read_json
+from .errors import RequestError
 
 MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two talker tokens
 CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, never sampled (except EOS)
@@ -20,14 +24,15 @@ CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, ne
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Generation options, named as in the reference's `generate_*` functions."""
+    """Generation options, named as in the reference's `generate_*` functions; the defaults are
+    the reference's fallbacks where a checkpoint's generation_config.json says nothing."""
 
     do_sample: bool = True  # talker: sample codebook 0 (False: greedy argmax)
     temperature: float = 0.9  # talker logits are divided by this before top-k/top-p
     top_k: int = 50  # keep the k most likely codebook-0 tokens (0: no limit)
     top_p: float = 1.0  # nucleus: keep the smallest set with this probability mass (1.0: off)
     repetition_penalty: float = 1.05  # >1 discourages repeating generated codebook-0 tokens (1.0: off)
-    max_new_tokens: int = 8192  # talker tokens incl. the final EOS/cut-off one; frames <= max_new_tokens - 1
+    max_new_tokens: int = 2048  # talker tokens incl. the final EOS/cut-off one; frames <= max_new_tokens - 1
     subtalker_dosample: bool = True  # code predictor: sample codebooks 1..15 (False: greedy)
     subtalker_temperature: float = 0.9
     subtalker_top_k: int = 50
@@ -37,7 +42,7 @@ class SamplingOptions:
     def __post_init__(self) -> None:
         for name in ("do_sample", "subtalker_dosample", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise RequestError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("temperature", "subtalker_temperature"):
             _check(name, getattr(self, name), float, lambda v: v > 0, "a number > 0")
         for name in ("top_k", "subtalker_top_k"):
@@ -52,13 +57,23 @@ class SamplingOptions:
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def from_file(cls, path: Path) -> SamplingOptions:
+        """A checkpoint's defaults: the fields its `generation_config.json` sets (other keys are the
+        file's own business), the reference's fallbacks (these fields' defaults) for the rest."""
+        data = read_json(path)
+        try:
+            return cls(**{name: data[name] for name in cls.names() if name in data})
+        except RequestError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+
 
 def _check(name: str, value, kind: type, ok, what: str) -> None:
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is int and not isinstance(value, int):
         number = False
     if not number or value != value or not ok(value):
-        raise ValueError(f"{name} must be {what}, got {value!r}")
+        raise RequestError(name, f"{name} must be {what}, got {value!r}")
 
 
 def talker_scores(logits: torch.Tensor, generated: torch.Tensor, opts: SamplingOptions, eos_id: int) -> torch.Tensor:
@@ -81,7 +96,7 @@ def _blocked(vocab: int, eos_id: int, device: torch.device, allow_eos: bool) -> 
     return blocked
 
 
-def choose(
+def sample(
     scores: torch.Tensor,
     do_sample: bool,
     temperature: float,

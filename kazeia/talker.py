@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TalkerConfig
-from .layers import Block, KVCache, RMSNorm, Rotary, cache_dtype, run_stack
+from .layers import Decoder, KVCache
 
 
 class TextProjection(nn.Module):
@@ -28,35 +28,22 @@ class TextProjection(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class Talker(nn.Module):
+class Talker(Decoder):
+    """The decoder stack (`Decoder`) with the text embedding and projection, the codec embedding
+    (talker width) and the codebook-0 head."""
+
     def __init__(self, cfg: TalkerConfig):
-        super().__init__()
-        s = cfg.stack
+        super().__init__(cfg.stack)
         self.cfg = cfg
         self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
-        self.text_projection = TextProjection(cfg.text_hidden_size, s.hidden_size)
-        self.codec_embedding = nn.Embedding(cfg.vocab_size, s.hidden_size)
-        self.layers = nn.ModuleList(
-            Block(s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, s.rms_norm_eps)
-            for _ in range(s.num_layers)
-        )
-        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.codec_head = nn.Linear(s.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = Rotary(s.head_dim, s.rope_theta)
+        self.text_projection = TextProjection(cfg.text_hidden_size, cfg.stack.hidden_size)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.stack.hidden_size)
+        self.codec_head = nn.Linear(cfg.stack.hidden_size, cfg.vocab_size, bias=False)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, T) text token ids -> (B, T, H) text-track vectors."""
         return self.text_projection(self.text_embedding(ids))
 
-    def new_cache(self, capacity: int, batch: int = 1) -> list[KVCache]:
-        s = self.cfg.stack
-        w = self.norm.weight  # activation dtype and device (linears may be quantized)
-        return [
-            KVCache(batch, s.num_kv_heads, capacity, s.head_dim, w.device, cache_dtype(w.dtype, w.device))
-            for _ in self.layers
-        ]
-
     def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
         """x (B, T, H) input vectors at positions [start, start+T) -> final-normed hidden (B, T, H)."""
-        rope = self.rotary.span(start, x.shape[1], x.dtype, x.device)
-        return run_stack(self.layers, self.norm, x, rope, cache, start)
+        return self.decode(x, cache, start)

@@ -543,11 +543,15 @@ class Vocoder(nn.Module):
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """One full causal decode: codes (B, T, 16) or (T, 16) -> audio (B, T*1920) or (T*1920,)."""
         codes, batched = self._check(codes)
-        state = self.new_state(codes.shape[0])
+        audio = self.decode_blocks(codes, self.new_state(codes.shape[0]))
+        return audio if batched else audio[0]
+
+    def decode_blocks(self, codes: torch.Tensor, state: VocoderState) -> torch.Tensor:
+        """Codes (B, T, 16) decoded on `state` (advancing it) in blocks of OFFLINE_BLOCK frames
+        -> audio (B, T*1920): the same audio as one chunk, in bounded memory."""
         starts = range(0, codes.shape[1], OFFLINE_BLOCK)
         pieces = [self.decode_chunk(codes[:, i : i + OFFLINE_BLOCK], state) for i in starts]
-        audio = torch.cat(pieces, dim=-1) if pieces else self._silence(codes.shape[0])
-        return audio if batched else audio[0]
+        return torch.cat(pieces, dim=-1) if pieces else self._silence(codes.shape[0])
 
     def decode_reference_chunked(
         self, codes: torch.Tensor, chunk_size: int = 300, left_context: int = 25

@@ -4,7 +4,8 @@ Scope: `Voice` (an x-vector, plus the reference's codes and transcript in ICL mo
 identity of the checkpoint it was made for), its file format (one safetensors file whose metadata
 holds the JSON fields), `Cloner` (the two encoders of a Base checkpoint: reference audio -> codes
 and x-vector) and `Priming` (the vocoder state after the reference frames, cached per voice, which
-ICL decoding continues from). Non-goals: prompt layouts (prompt.py), audio decoding (audio.py).
+ICL audio continues from, and the splice of that audio as the reference package cuts it).
+Non-goals: prompt layouts (prompt.py), audio file decoding (audio.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from .config import ModelConfig, SpeakerEncoderConfig
 from .encoder import Encoder
 from .speaker import SpeakerEncoder
-from .vocoder import OFFLINE_BLOCK, Vocoder, VocoderState, WindowCache
+from .vocoder import Vocoder, VocoderState, WindowCache
 
 FORMAT = "kazeia.voice/1"  # metadata "format" of voice files this version reads and writes
 METADATA_KEY = "kazeia.voice"  # safetensors metadata entry holding the JSON fields
@@ -181,24 +182,49 @@ def copy_state(state: VocoderState) -> VocoderState:
     return VocoderState(tails=[t.clone() for t in state.tails], caches=caches, position=state.position)
 
 
-def decode_from(vocoder: Vocoder, codes: torch.Tensor, state: VocoderState) -> torch.Tensor:
-    """codes (T, 16) decoded on `state` in blocks (advancing it) -> audio (T * 1920,)."""
-    starts = range(0, codes.shape[0], OFFLINE_BLOCK)
-    pieces = [vocoder.decode_chunk(codes[i : i + OFFLINE_BLOCK], state) for i in starts]
-    return torch.cat(pieces) if pieces else vocoder.decode_chunk(codes, state)
+def icl_cut(ref_frames: int, total_frames: int, samples: int) -> int:
+    """Samples the reference drops from the decode of reference + generated frames in ICL mode:
+    `int(ref_len / total_len * n_samples)` in double precision, exactly as qwen-tts computes it.
+    Float rounding makes it ref_frames * 1920 - 1 (keeping the reference's last sample) for about
+    4% of length pairs, ref_frames * 1920 otherwise."""
+    return int(ref_frames / max(total_frames, 1) * samples)
 
 
 class Priming:
-    """Reference-primed vocoder states of recently used ICL voices (least recently used dropped),
-    keyed by the reference codes, so a voice's reference frames are decoded once, not per call."""
+    """Where an ICL voice's audio continues from: the vocoder state after its reference frames,
+    cached for recently used voices (least recently used dropped), keyed by the reference codes,
+    so a voice's reference frames are decoded once, not per call."""
 
     def __init__(self, vocoder: Vocoder, capacity: int = 8):
         self.vocoder, self.capacity = vocoder, capacity
         self._entries: OrderedDict[bytes, Primed] = OrderedDict()
         self._lock = threading.Lock()
 
+    def state(self, voice: Voice) -> VocoderState:
+        """A fresh copy of the state after `voice`'s reference frames, to stream from."""
+        return copy_state(self._get(voice.ref_codes).state)
+
     @torch.inference_mode()
-    def get(self, ref_codes: torch.Tensor) -> Primed:
+    def audio(self, voice: Voice, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
+        """The audio of codes (frames, 16) generated after `voice`'s reference. Like the reference
+        package: the decode of reference + generated frames with the first `icl_cut(...)` samples
+        dropped; computed as the generated frames decoded on the primed state, after the reference
+        samples the cut keeps (0, or 1 by the reference's float rounding). `reference_chunked`: the
+        reference's 300-frame restarts over the whole decode instead (comparisons only)."""
+        ref, per_frame = voice.ref_codes, self.vocoder.cfg.samples_per_frame
+        device = self.vocoder.pre_conv.conv.weight.device
+        total = ref.shape[0] + codes.shape[0]
+        cut = icl_cut(ref.shape[0], total, total * per_frame)
+        if reference_chunked:
+            both = torch.cat((ref, codes.cpu())).to(device)
+            return _numpy(self.vocoder.decode_reference_chunked(both))[cut:]
+        primed = self._get(ref)
+        kept = ref.shape[0] * per_frame - cut  # reference samples left in front of the generated audio
+        audio = _numpy(self.vocoder.decode_blocks(codes.to(device)[None], copy_state(primed.state))[0])
+        return np.concatenate((primed.tail[len(primed.tail) - kept :], audio))
+
+    @torch.inference_mode()
+    def _get(self, ref_codes: torch.Tensor) -> Primed:
         codes = ref_codes.to(self.vocoder.pre_conv.conv.weight.device)
         key = hashlib.sha256(codes.cpu().numpy().tobytes()).digest() + bytes(str(tuple(codes.shape)), "ascii")
         with self._lock:
@@ -206,11 +232,15 @@ class Priming:
                 self._entries.move_to_end(key)
                 return self._entries[key]
         state = self.vocoder.new_state()
-        audio = decode_from(self.vocoder, codes, state)
-        tail = audio[-self.vocoder.cfg.samples_per_frame :].float().cpu().numpy()
+        audio = self.vocoder.decode_blocks(codes[None], state)[0]
+        tail = _numpy(audio[-self.vocoder.cfg.samples_per_frame :])
         primed = Primed(state, tail)
         with self._lock:
             self._entries[key] = primed
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
         return primed
+
+
+def _numpy(audio: torch.Tensor) -> np.ndarray:
+    return audio.float().cpu().numpy().astype(np.float32, copy=False)

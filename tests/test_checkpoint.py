@@ -4,8 +4,8 @@ import json
 import shutil
 
 import pytest
-from conftest import INT8
 import torch
+from conftest import INT8
 from reference import load_reference
 from safetensors.torch import load_file, save_file
 

@@ -11,8 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from kazeia import CheckpointError, Engine, Voice
 from kazeia.cli import main
-from kazeia.prompt import icl_cut
-from kazeia.voices import VoiceModel
+from kazeia.voices import VoiceModel, icl_cut
 
 REF_TEXT = "Hello, this is a reference voice for cloning."
 TEXT = "Streaming a cloned voice should sound exactly like offline synthesis."

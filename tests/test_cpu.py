@@ -123,7 +123,16 @@ def test_the_isa_sensitive_tests_pass_at_every_level(level):
     env = {**os.environ, **cpu.library_caps(features), "KAZEIA_ISA": level, NESTED: level}
     tests = Path(__file__).parent
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *(str(tests / t) for t in ISA_SENSITIVE)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            *(str(tests / t) for t in ISA_SENSITIVE),
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kazeia import Engine, native
-from kazeia.layers import Block, KVCache, RMSNorm, Rotary, can_pack, fuse_projections, pack_linears, run_stack
+from kazeia.layers import Block, KVCache, RMSNorm, Rotary, can_pack, fuse_projections, pack_linears
 from kazeia.quant import QuantLinear, int8_supported, quantize_linears
 from kazeia.vocoder import SnakeBeta
 
@@ -37,7 +37,7 @@ def make_stack(dtype: torch.dtype, linears: str, seed: int = 0):
     if linears == "packed":
         pack_linears(layers)
     elif linears == "int8":
-        quantize_linears(layers)
+        quantize_linears(layers, native.library())
         exact_linears = dict(exact[0].named_modules())
         for name, module in layers.named_modules():
             if isinstance(module, QuantLinear):
@@ -91,19 +91,22 @@ def test_compiled_step_matches_the_eager_layers(dtype, linears):
     with torch.inference_mode():
         prompt = torch.randn(1, 7, DIM, generator=gen).to(dtype)
         for caches in (ours, theirs):  # the prompt takes the eager path in both
-            run_stack(layers, norm, prompt, rot.span(0, 7, dtype, "cpu"), caches, 0)
+            eager_step(layers, norm, prompt, rot.span(0, 7, dtype, "cpu"), caches, 0)
         eager_step(exact_layers, exact_norm, prompt.double(), rot.span(0, 7, torch.float64, "cpu"), truth, 0)
-        assert native.stack_step(layers, norm, prompt[:, :1], ours) is not None
+        step = native.stack_step(native.library(), layers, norm, dtype)
+        assert step is not None and not step.applies(prompt, ours)
         pos = 7
         while pos < 30:
             width = 2 if pos % 5 == 0 else 1  # two-position steps too (MAX_POSITIONS)
             x = torch.randn(1, width, DIM, generator=gen).to(dtype)
             x_before = x.clone()
             rope = rot.span(pos, width, dtype, "cpu")
-            assert native.stack_step(layers, norm, x, ours) is not None
-            got = run_stack(layers, norm, x, rope, ours, pos)
+            assert step.applies(x, ours)
+            got = step(x, rope, ours, pos)
             want = eager_step(layers, norm, x, rope, theirs, pos)
-            exact = eager_step(exact_layers, exact_norm, x.double(), rot.span(pos, width, torch.float64, "cpu"), truth, pos)
+            exact = eager_step(
+                exact_layers, exact_norm, x.double(), rot.span(pos, width, torch.float64, "cpu"), truth, pos
+            )
             pos += width
             assert torch.equal(x, x_before)  # the input is not modified
             assert got.shape == want.shape and got.dtype == want.dtype
@@ -128,9 +131,9 @@ def test_compiled_int8_product_is_the_eager_one_value_for_value(bias):
     one row or several, including inputs where no factor fits."""
     torch.manual_seed(3)
     linear = nn.Linear(96, 40, bias=bias)
-    quantize_linears(holder := nn.Sequential(linear))
+    quantize_linears(holder := nn.Sequential(linear), native.library())
     q = holder[0]
-    product = q.compiled(native.library())
+    product = q.native
     inputs = [
         torch.randn(1, 96),
         torch.randn(1, 96) * torch.randn(1, 96),
@@ -149,36 +152,58 @@ def test_compiled_step_attends_over_the_whole_cache():
     """A late key that dominates attention must change the output (the attention really spans
     every cached position, grouped query heads included)."""
     layers, norm, _ = make_stack(torch.float32, "plain")
+    step = native.stack_step(native.library(), layers, norm, torch.float32)
     rot = Rotary(HEAD_DIM, 10000.0)
     with torch.inference_mode():
         caches = new_caches()
         x = torch.randn(1, 1, DIM)
         for pos in range(5):
-            run_stack(layers, norm, x, rot.span(pos, 1, torch.float32, "cpu"), caches, pos)
-        before = run_stack(layers, norm, x, rot.span(5, 1, torch.float32, "cpu"), caches, 5)
+            step(x, rot.span(pos, 1, torch.float32, "cpu"), caches, pos)
+        before = step(x, rot.span(5, 1, torch.float32, "cpu"), caches, 5)
         for cache in caches:
             cache.v[:, :, 2] += 50.0
-        after = run_stack(layers, norm, x, rot.span(5, 1, torch.float32, "cpu"), caches, 5)
+        after = step(x, rot.span(5, 1, torch.float32, "cpu"), caches, 5)
         assert not torch.allclose(before, after)
 
 
 def test_cache_overflow_is_an_error_not_a_write_past_the_end():
     layers, norm, _ = make_stack(torch.float32, "plain")
+    step = native.stack_step(native.library(), layers, norm, torch.float32)
     rot = Rotary(HEAD_DIM, 10000.0)
     caches = new_caches(capacity=4)
     with torch.inference_mode(), pytest.raises(RuntimeError, match="KV cache overflow"):
-        run_stack(layers, norm, torch.randn(1, 1, DIM), rot.span(4, 1, torch.float32, "cpu"), caches, 4)
+        step(torch.randn(1, 1, DIM), rot.span(4, 1, torch.float32, "cpu"), caches, 4)
 
 
 def test_where_the_compiled_step_does_not_apply():
+    lib = native.library()
     layers, norm, _ = make_stack(torch.float32, "plain")
+    step = native.stack_step(lib, layers, norm, torch.float32)
     caches = new_caches()
-    assert native.stack_step(layers, norm, torch.randn(1, 3, DIM), caches) is None  # a prompt
-    assert native.stack_step(layers, norm, torch.randn(2, 1, DIM), caches) is None  # several sequences
+    assert not step.applies(torch.randn(1, 3, DIM), caches)  # a prompt
+    assert not step.applies(torch.randn(2, 1, DIM), caches)  # several sequences
+    assert not step.applies(torch.randn(1, 1, DIM, dtype=torch.bfloat16), caches)  # another dtype
+    assert not step.applies(torch.randn(1, 1, DIM), new_caches(dtype=torch.bfloat16))
     wide_layers, wide_norm, _ = make_stack(torch.float64, "plain")
-    assert native.stack_step(wide_layers, wide_norm, torch.randn(1, 1, DIM, dtype=torch.float64), caches) is None
+    assert native.stack_step(lib, wide_layers, wide_norm, torch.float64) is None
     unfused = nn.ModuleList(Block(DIM, HEADS, KV_HEADS, HEAD_DIM, INNER, 1e-6) for _ in range(3))
-    assert native.stack_step(unfused, RMSNorm(DIM, 1e-6), torch.randn(1, 1, DIM), caches) is None
+    assert native.stack_step(lib, unfused, RMSNorm(DIM, 1e-6), torch.float32) is None
+    assert native.stack_step(None, layers, norm, torch.float32) is None  # no library
+
+
+def test_the_step_is_chosen_when_the_model_is_loaded(tiny_checkpoints, monkeypatch):
+    """Where the model is built (TTSModel.prepare): the native step for both stacks and int8
+    products that use the library, or the eager layers and products without it."""
+    path = tiny_checkpoints["0.6B-custom"]
+    model = Engine.load(path).model
+    for stack in (model.talker, model.code_predictor):
+        assert isinstance(stack.native_step, native.StackStep) and stack.native_step.dtype == torch.float32
+    if int8_supported() is None:
+        quantized = Engine.load(path, dtype="int8").model
+        assert all(m.native is not None for m in quantized.modules() if isinstance(m, QuantLinear))
+    monkeypatch.setenv("KAZEIA_NATIVE", "0")
+    eager = Engine.load(path).model
+    assert eager.talker.native_step is None and eager.code_predictor.native_step is None
 
 
 def test_a_new_build_removes_builds_unused_for_a_month(tmp_path):
@@ -219,13 +244,7 @@ def test_without_a_compiler_the_engine_warns_once_and_runs_eager(tiny_checkpoint
 
 def test_kazeia_native_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("KAZEIA_NATIVE", "0")
-    native.reset()
-    try:
-        assert native.library() is None
-        layers, norm, _ = make_stack(torch.float32, "plain")
-        assert native.stack_step(layers, norm, torch.randn(1, 1, DIM), new_caches()) is None
-    finally:
-        native.reset()
+    assert native.library() is None
 
 
 def snake_truth(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import requires_int8
+
 from kazeia import Engine
 from kazeia.quant import QuantEmbedding, QuantLinear, int8_supported
 from kazeia.testing.quality import compare, teacher_forced_logits

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 import warnings
-import weakref
 from pathlib import Path
 
 import torch
@@ -69,7 +68,9 @@ def build(compiler: str | None = None, target_dir: Path | None = None, options: 
         raise RuntimeError(f"no C compiler: {compiler!r} not found")
     options = flags() if options is None else options
     sources = [source.read_bytes() for source in SOURCES]
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(options).encode(), compiler.encode(), _cpu_signature().encode()]))
+    key = hashlib.sha256(
+        b"\0".join([*sources, " ".join(options).encode(), compiler.encode(), _cpu_signature().encode()])
+    )
     target_dir = target_dir or cache_dir()
     path = target_dir / f"decode-{key.hexdigest()[:16]}.so"
     if path.exists():
@@ -152,17 +153,23 @@ def _library(options: tuple[str, ...]) -> ctypes.CDLL | None:
     return lib
 
 
-class StackStep:
-    """One position (or two, MAX_POSITIONS) through a stack of fused `layers.Block`s and its final
-    norm, batch 1.
+# Positions a native step takes at once: one, or the code predictor's two-position first step of
+# each frame (otherwise ~125 PyTorch operations per frame). Prompts keep the eager layers, whose
+# attention runs on every core.
+MAX_POSITIONS = 2
 
-    Built once per stack (`stack_step`); holds the norms' weights and the products. Each layer is:
-    qkv product, `attend`, output product, `add_rms_norm`, gate/up product, `silu_mul`, down
-    product, `add_rms_norm` (which also applies the next layer's input norm or the final one).
-    Products' inputs are (rows, features) buffers whose first T rows (one per position) the C code
-    writes: T rows in all for float products (their `forward`), 2T for int8 ones, whose second half
-    takes the residual rows (`QuantLinear.compiled`); a product's result is the first T rows of
-    what it returns.
+
+class StackStep:
+    """One position (or up to MAX_POSITIONS) through a stack of fused `layers.Block`s and its final
+    norm, batch 1, for the activation dtype it was built for.
+
+    Built once per stack when the model is loaded (`stack_step`); holds the norms' weights and the
+    products, so it describes the weights of that moment. Each layer is: qkv product, `attend`,
+    output product, `add_rms_norm`, gate/up product, `silu_mul`, down product, `add_rms_norm`
+    (which also applies the next layer's input norm or the final one). Products' inputs are
+    (rows, features) buffers whose first T rows (one per position) the C code writes: T rows in
+    all for float products (their `forward`), 2T for int8 ones, whose second half takes the
+    residual rows (`QuantLinear.native`); a product's result is the first T rows of what it returns.
     """
 
     def __init__(self, lib: ctypes.CDLL, layers, norm, dtype: torch.dtype):
@@ -175,11 +182,12 @@ class StackStep:
         self.qk_eps = first.q_norm.eps
         norms = [layer.input_layernorm.weight for layer in layers] + [norm.weight]
         self.keep = []  # the tensors whose addresses are held below
-        self.first_norm, self.last_norm = self._address(norms[0]), norms[-1].data_ptr()
+        self.first_norm = self._address(norms[0])
         products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                     for layer in layers]  # fmt: skip
-        self.rows = 2 if any(hasattr(p, "compiled") for four in products for p in four) else 1
-        product = lambda p: p.compiled(lib) if hasattr(p, "compiled") else p.forward  # noqa: E731
+        natives = [getattr(p, "native", None) for four in products for p in four]
+        self.rows = 2 if any(natives) else 1
+        product = lambda p: p.native if getattr(p, "native", None) else p.forward  # noqa: E731
         self.layers = []
         for i, (layer, (qkv, o_proj, gate_up, down)) in enumerate(zip(layers, products, strict=True)):
             self.layers.append(
@@ -200,10 +208,15 @@ class StackStep:
         self.keep.append(t)
         return t.data_ptr()
 
-    def valid(self, layers, norm) -> bool:
-        """Still describes `layers` (the norms' weights at the same addresses)?"""
-        first, last = layers[0].input_layernorm.weight, norm.weight
-        return first.data_ptr() == self.first_norm and last.data_ptr() == self.last_norm
+    def applies(self, x: torch.Tensor, cache) -> bool:
+        """One sequence at 1..MAX_POSITIONS positions in this step's dtype, over float32 caches."""
+        return (
+            x.shape[0] == 1
+            and 1 <= x.shape[1] <= MAX_POSITIONS
+            and x.dtype == self.dtype
+            and cache[0].k.dtype == torch.float32
+            and cache[0].k.shape[0] == 1
+        )
 
     def __call__(self, x: torch.Tensor, rope, cache, start: int) -> torch.Tensor:
         """x (1, T, H) at positions [start, start + T) -> final-normed hidden (1, T, H); fills each
@@ -239,35 +252,14 @@ class StackStep:
         return normed[:T].view(1, T, H)
 
 
-_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-# Positions a compiled step takes at once: one, or the code predictor's two-position first step of
-# each frame (otherwise ~125 PyTorch operations per frame). Prompts keep the eager layers, whose
-# attention runs on every core.
-MAX_POSITIONS = 2
-
-
-def stack_step(layers, norm, x: torch.Tensor, cache) -> StackStep | None:
-    """The compiled step for this stack and input, or None where it does not apply (more than
-    MAX_POSITIONS positions or more than one sequence, other dtypes or devices, unfused layers, no
-    compiled library)."""
-    if x.shape[0] != 1 or not 1 <= x.shape[1] <= MAX_POSITIONS:
+def stack_step(lib: ctypes.CDLL | None, layers, norm, dtype: torch.dtype) -> StackStep | None:
+    """The native step for a loaded stack whose activations are `dtype`, or None where it does not
+    apply (no library, a dtype without C support, unfused layers or unsupported head shapes)."""
+    if lib is None or dtype not in DTYPES or not _supported(layers, dtype):
         return None
-    if x.dtype not in DTYPES or x.device.type != "cpu":
+    if dtype == torch.float16 and not lib.has_float16():
         return None
-    if cache[0].k.dtype != torch.float32 or cache[0].k.shape[0] != 1:
-        return None
-    step = _STEPS.get(layers)
-    if step is not None and step.dtype == x.dtype and step.valid(layers, norm):
-        return step
-    lib = library()
-    if lib is None or not _supported(layers, x.dtype):
-        return None
-    if x.dtype == torch.float16 and not lib.has_float16():
-        return None
-    _STEPS[layers] = step = StackStep(lib, layers, norm, x.dtype)
-    return step
+    return StackStep(lib, layers, norm, dtype)
 
 
 def _supported(layers, dtype: torch.dtype) -> bool:
@@ -277,6 +269,6 @@ def _supported(layers, dtype: torch.dtype) -> bool:
             return False
         if attn.heads % attn.kv_heads or attn.head_dim % 2:
             return False
-        if layer.input_layernorm.weight.dtype != dtype:
+        if layer.input_layernorm.weight.dtype != dtype or layer.input_layernorm.weight.device.type != "cpu":
             return False
     return True

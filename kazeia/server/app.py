@@ -37,7 +37,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
     metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
     schedule = ChunkSchedule(config.first_chunk_frames, config.chunk_frames)
-    worker = Worker(engine, config.queue_size, schedule, metrics, config.text_timeout)
+    worker = Worker(engine, config.queue_size, schedule, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,15 +1,16 @@
 """OpenAI-style errors: every refusal is `{"error": {"message", "type", "param", "code"}}`.
 
-The engine raises `ValueError` with a message that names the problem and the valid choices; this
-module keeps that message, says which request field it is about, and speaks of the HTTP field
-names (`instructions`, `input`) rather than the Python ones (`instruct`, `text`).
+The engine raises `RequestError` (a ValueError) with a message that names the problem and the valid
+choices and a `field` naming the argument; this module keeps that message, reports the field as
+`param`, and speaks of the HTTP field names (`instructions`, `input`) rather than the Python ones
+(`instruct`, `text`).
 """
 
 from __future__ import annotations
 
 import re
 
-from ..sampling import SamplingOptions
+from ..errors import RequestError
 
 
 class ApiError(Exception):
@@ -36,24 +37,16 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-# Engine message -> the request field it is about (first match wins).
-_PARAMS = (
-    (re.compile(r"^unknown voice\b|^voice\b|no preset voices|this voice was made|cloned voices need"), "voice"),
-    (re.compile(r"^unknown language\b"), "language"),
-    (re.compile(r"\binstruct\b"), "instructions"),
-    (re.compile(r"^text\b"), "input"),
-)
+# Engine argument -> the request field that carries it (the others have the same name).
+FIELDS = {"instruct": "instructions", "text": "input"}
 
 
 def from_engine(error: ValueError) -> ApiError:
-    """The engine's validation error as a 400 naming the field."""
+    """The engine's validation error as a 400 naming the field (`RequestError.field`), its message
+    speaking of the HTTP field names."""
     message = str(error)
-    first = message.split(" ", 1)[0]
-    param = first if first in SamplingOptions.names() or first in ("seed", "non_streaming_mode") else None
-    for pattern, name in _PARAMS if param is None else ():
-        if pattern.search(message):
-            param = name
-            break
+    field = getattr(error, "field", None)
+    param = FIELDS.get(field, field) if isinstance(error, RequestError) else None
     message = re.sub(r"\binstruct\b=?", "instructions", message)
     if message.startswith("text "):
         message = "input " + message[len("text ") :]

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 from starlette.requests import Request as HttpRequest
 
-from ..engine import Engine, Request
+from ..engine import Engine
 from ..live import TextFeed
+from ..request import Request
 from ..sampling import SamplingOptions
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
 from .formats import UNSUPPORTED, AudioFormat
-from .worker import Synthesis
 
 if TYPE_CHECKING:
     from .voices import VoiceStore
@@ -44,7 +44,7 @@ CAPPED = {  # option -> the Limits field bounding it from above
 class SpeechRequest:
     """A validated `POST /v1/audio/speech`."""
 
-    synthesis: Synthesis  # what the worker generates
+    request: Request  # what the worker generates
     audio_format: AudioFormat  # how its audio is encoded
     stream_format: str  # "audio" (the encoded bytes) or "sse" (base64 events)
 
@@ -97,15 +97,16 @@ def speech_request(
             param="stream_format",
         )
     options = session_options(body, engine, config.limits, voices, check=False)
-    return SpeechRequest(prepare(engine, text, options, voices), audio_format, stream_format)
+    return SpeechRequest(prepare(engine, text, options, voices, text_timeout=None), audio_format, stream_format)
 
 
 def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceStore | None, check: bool = True) -> dict:
     """Voice and generation options (the keyword arguments of `Engine.request` but the text); the
     voice stays a name here (it is looked up when a text is accepted).
 
-    `check=True` also has the engine validate them (voice, language, option values) on a
-    placeholder text, so that a WebSocket session is refused when it is set, not at its first text.
+    `check=True` also has the engine validate them (voice, language, option values:
+    `Engine.validate_options`), so that a WebSocket session is refused when it is set, not at its
+    first text.
     """
     if check:
         _refuse_unknown(body, SESSION_FIELDS)
@@ -115,19 +116,19 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
     _apply_limits(options, limits)
     options.setdefault("max_new_tokens", min(limits.max_new_tokens, engine.defaults.max_new_tokens))
     if check:
-        prepare(engine, "Hello.", options, voices)
+        resolved = {**options, "voice": resolve_voice(engine, options.get("voice"), voices)}
+        _engine_call(engine.validate_options, **resolved)
     return options
 
 
-def prepare(engine: Engine, text: str | TextFeed, options: dict, voices: VoiceStore | None) -> Synthesis:
-    """Validate a text (or a live text's options) and fix its seed: what the worker will speak.
-
-    A live text is checked on a placeholder: everything but the text is known now, and the engine
-    checks the text itself as it arrives (an empty one fails the utterance)."""
+def prepare(
+    engine: Engine, text: str | TextFeed, options: dict, voices: VoiceStore | None, *, text_timeout: float | None
+) -> Request:
+    """What the worker will speak: a whole text, or a live text's feed (checked as it arrives: an
+    empty one fails the utterance, a pause over `text_timeout` seconds too), validated with its
+    options and its seed fixed."""
     resolved = {**options, "voice": resolve_voice(engine, options.get("voice"), voices)}
-    request = engine_request(engine, text if isinstance(text, str) else "-", resolved)
-    tokens = len(request.text_ids) if isinstance(text, str) else 0
-    return Synthesis(text, {**resolved, "seed": request.seed}, tokens)
+    return _engine_call(engine.request, text, text_timeout=text_timeout, **resolved)
 
 
 def resolve_voice(engine: Engine, voice: str | None, voices: VoiceStore | None):
@@ -145,9 +146,9 @@ def resolve_voice(engine: Engine, voice: str | None, voices: VoiceStore | None):
     return voices.get(voice)
 
 
-def engine_request(engine: Engine, text: str, options: dict) -> Request:
+def _engine_call(call, *args, **kwargs):
     try:
-        return engine.request(text, **options)
+        return call(*args, **kwargs)
     except ValueError as e:
         raise from_engine(e) from None
 

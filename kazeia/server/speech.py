@@ -34,14 +34,14 @@ async def speech(request: Request) -> StreamingResponse:
     body = json_object(await read_body(request, s.config.limits.max_body_bytes))
     parsed = speech_request(body, s.engine, s.config, s.formats, s.voices)
     encoder = parsed.audio_format.make()
-    job = Job(parsed.synthesis, encoder, asyncio.get_running_loop())
+    job = Job(parsed.request, encoder, asyncio.get_running_loop())
     try:
         s.worker.submit(job)
     except Busy as busy:
         raise ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)}) from None
-    headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.synthesis.seed)}
+    headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.request.seed)}
     if parsed.stream_format == "sse":
-        events = _sse(job, encoder.header(), parsed.synthesis.input_tokens, s.metrics)
+        events = _sse(job, encoder.header(), len(parsed.request.text_ids), s.metrics)
         return _JobResponse(job, events, media_type="text/event-stream", headers=headers)
     audio = _audio(job, encoder.header(), s.metrics)
     return _JobResponse(job, audio, media_type=parsed.audio_format.media_type, headers=headers)

@@ -33,11 +33,12 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..audio import SAMPLE_RATE
 from ..live import TextFeed
+from ..request import Request
 from .errors import ApiError
 from .formats import Encoder
 from .params import json_object, prepare, session_options
 from .state import ServerState, server_state
-from .worker import Busy, Job, Outcome, Synthesis
+from .worker import Busy, Job, Outcome
 
 ROUTE = "/v1/audio/speech/stream"
 router = APIRouter()
@@ -54,7 +55,7 @@ MESSAGE_TYPES = tuple(FIELDS)
 @dataclass(eq=False)
 class Utterance:
     number: int  # 1, 2, ... in the order the texts were accepted on this socket
-    synthesis: Synthesis
+    request: Request
     accepted: float  # perf_counter() when its text (live: its first delta) was accepted; TTFB counts from here
     feed: TextFeed | None = None  # live text: where its deltas go
     chars: int = 0  # live text: characters received so far
@@ -128,7 +129,7 @@ class _Session:
         """`input_text`: one whole utterance."""
         self._check_text(text, len(text) if isinstance(text, str) else 0)
         self._admit()
-        self._enqueue(prepare(self.engine, text, self.options, self.voices))
+        self._enqueue(prepare(self.engine, text, self.options, self.voices, text_timeout=None))
 
     async def append(self, text) -> None:
         """`input_text.append`: more text for the open utterance, or the first text of a new one."""
@@ -137,7 +138,9 @@ class _Session:
             self._check_text(text, len(text) if isinstance(text, str) else 0)
             self._admit()
             feed = TextFeed()
-            utterance = self._enqueue(prepare(self.engine, feed, self.options, self.voices), feed)
+            utterance = self._enqueue(
+                prepare(self.engine, feed, self.options, self.voices, text_timeout=self.config.text_timeout), feed
+            )
             self.open = utterance
         elif not isinstance(text, str):
             raise ApiError(400, "text must be a string", param="text")
@@ -209,9 +212,9 @@ class _Session:
                 code="too_many_pending",
             )
 
-    def _enqueue(self, synthesis: Synthesis, feed: TextFeed | None = None) -> Utterance:
+    def _enqueue(self, request: Request, feed: TextFeed | None = None) -> Utterance:
         self.accepted += 1
-        utterance = Utterance(self.accepted, synthesis, time.perf_counter(), feed)
+        utterance = Utterance(self.accepted, request, time.perf_counter(), feed)
         self.pending.append(utterance)
         self._wake.set()
         return utterance
@@ -224,7 +227,7 @@ class _Session:
                 self._wake.clear()
                 await self._wake.wait()
             utterance = self.pending.popleft()
-            job = Job(utterance.synthesis, Encoder(), asyncio.get_running_loop(), utterance.accepted)
+            job = Job(utterance.request, Encoder(), asyncio.get_running_loop(), utterance.accepted)
             try:
                 self.worker.submit(job)
             except Busy as busy:
@@ -233,7 +236,7 @@ class _Session:
             utterance.job, self.current = job, utterance
             number = utterance.number
             start = {"type": "audio.start", "utterance": number, "sample_rate": SAMPLE_RATE}
-            await self.send({**start, "channels": 1, "format": "pcm_s16le", "seed": utterance.synthesis.seed})
+            await self.send({**start, "channels": 1, "format": "pcm_s16le", "seed": utterance.request.seed})
             async for item in job.outcomes():
                 if utterance.reported:  # failed by the session (fail()): its error is out
                     continue

@@ -1,8 +1,8 @@
 """The worker: one thread owns the engine and speaks one utterance at a time, FIFO.
 
-Requests become `Job`s on a bounded queue; a full queue is refused at once (`Busy`, a 503 with
-Retry-After) rather than letting waits grow without bound. The worker runs `Engine.stream` for each
-job (a whole text, or a `TextFeed` whose text is still arriving), encodes each chunk and hands the
+Validated engine requests become `Job`s on a bounded queue; a full queue is refused at once (`Busy`, a 503 with
+Retry-After) rather than letting waits grow without bound. The worker runs `Engine.stream_request` for
+each job (a whole text, or a `TextFeed` whose text is still arriving), encodes each chunk and hands the
 bytes to the job's asyncio queue with `loop.call_soon_threadsafe`, so the event loop never waits on
 the engine. A job ends with exactly one `Outcome` on that queue.
 
@@ -27,26 +27,14 @@ from dataclasses import dataclass
 
 from ..audio import SAMPLE_RATE
 from ..engine import Engine
-from ..live import TextFeed, TextTimeout
+from ..live import TextTimeout
+from ..request import Request
 from ..streaming import ChunkSchedule, Metrics, SpeechStream
 from .formats import Encoder
 from .metrics import ServerMetrics
 
 log = logging.getLogger("kazeia.server")
 _ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Synthesis:
-    """What a job says and how: `Engine.stream`'s text and keyword arguments, already validated."""
-
-    text: str | TextFeed  # a whole text, or live text still arriving
-    options: dict  # voice (a preset name or a Voice), language, instruct, seed (always set), sampling...
-    input_tokens: int  # text tokens of the prompt (0 for live text: not known in advance)
-
-    @property
-    def seed(self) -> int:
-        return self.options["seed"]
 
 
 @dataclass(frozen=True)
@@ -86,10 +74,10 @@ class Job:
     """One utterance: what to say, its encoder, and the queue its bytes go to."""
 
     def __init__(
-        self, synthesis: Synthesis, encoder: Encoder, loop: asyncio.AbstractEventLoop, arrived: float | None = None
+        self, request: Request, encoder: Encoder, loop: asyncio.AbstractEventLoop, arrived: float | None = None
     ):
         self.id = next(_ids)
-        self.synthesis, self.encoder, self.loop = synthesis, encoder, loop
+        self.request, self.encoder, self.loop = request, encoder, loop
         self.events: asyncio.Queue = asyncio.Queue()  # bytes ..., then one Outcome
         self.arrived = time.perf_counter() if arrived is None else arrived  # perf_counter() of the request
         self.frames_at_cancel: int | None = None
@@ -139,10 +127,8 @@ class Worker:
         queue_size: int,
         schedule: ChunkSchedule,
         metrics: ServerMetrics,
-        text_timeout: float = 10.0,
     ):
         self.engine, self.schedule, self.metrics = engine, schedule, metrics
-        self.text_timeout = text_timeout  # live text: seconds without a delta before the job fails
         self.records: deque[JobRecord] = deque(maxlen=256)
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._current: Job | None = None
@@ -216,14 +202,7 @@ class Worker:
         stream: SpeechStream | None = None
         samples, ttfb = 0, None
         try:
-            stream = self.engine.stream(
-                job.synthesis.text,
-                first_chunk_frames=self.schedule.first,
-                chunk_frames=self.schedule.rest,
-                text_timeout=self.text_timeout,
-                should_stop=lambda: job.cancelled,
-                **job.synthesis.options,
-            )
+            stream = self.engine.stream_request(job.request, self.schedule, should_stop=lambda: job.cancelled)
             job.stream = stream
             with stream:
                 for chunk in stream:
@@ -244,7 +223,7 @@ class Worker:
                     job.put(tail)
                 outcome = Outcome("completed", samples, queue_s, ttfb, stream.metrics)
         except Exception as error:  # reported to this client; the server keeps serving
-            code = _error_code(error, live=not isinstance(job.synthesis.text, str))
+            code = _error_code(error, live=job.request.live is not None)
             if code is None:
                 log.exception("utterance %d failed", job.id)
             else:

@@ -42,7 +42,7 @@ def teacher_forced_logits(
     never sampled (and EOS is not part of a teacher-forced frame)."""
     req = engine.request(text, **request)
     talker, predictor = engine.model.talker, engine.model.code_predictor
-    prompt = build_prompt(talker, engine.cfg, req.text_ids, req.cond, req.non_streaming_mode)
+    prompt = build_prompt(engine.model, req.text_ids, req.cond, req.non_streaming_mode)
     T, L = codes.shape[0], prompt.embeds.shape[1]
     steps = []
     for t in range(T - 1):  # inputs after frame t, as in the frame loop

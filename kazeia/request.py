@@ -1,0 +1,224 @@
+"""Synthesis requests: inputs validated and names resolved to ids, before any generation.
+
+Scope: `Request` (everything `generate.frames` needs besides the model), `Rules` (what one
+checkpoint accepts: its kind, voices, languages, sampling defaults, tokenizer) and the pure
+functions that turn a call's arguments into a `Request`: `validate_options` (everything but the
+text) and `build_request`. Every refusal is a `RequestError`, a ValueError naming the argument at
+fault and the valid choices. Non-goals: prompt layouts (prompt.py), server limits (server/params.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterable, Iterable
+from dataclasses import dataclass, replace
+
+from .config import ModelConfig
+from .errors import RequestError
+from .live import LiveText, TextFeed, as_feed
+from .prompt import Conditioning, has_text
+from .sampling import SamplingOptions
+from .text import TextTokenizer
+from .voices import Voice, VoiceModel
+
+TextSource = str | Iterable[str] | AsyncIterable[str] | TextFeed
+MAX_SEED = 2**63
+
+
+@dataclass(frozen=True)
+class Rules:
+    """What one loaded checkpoint accepts (built once by `Engine.load`)."""
+
+    cfg: ModelConfig
+    tokenizer: TextTokenizer
+    defaults: SamplingOptions  # from the checkpoint's generation_config.json
+    voice_model: VoiceModel | None  # Base checkpoints: the checkpoint a cloned Voice must come from
+    codebook_size: int  # codes per codebook (2048): the range of a cloned voice's reference codes
+
+    @property
+    def model_type(self) -> str:
+        return self.cfg.tts_model_type
+
+    @property
+    def voices(self) -> list[str]:
+        """Preset speakers (CustomVoice checkpoints); empty for other kinds."""
+        return sorted(self.cfg.talker.speaker_ids)
+
+    @property
+    def languages(self) -> list[str]:
+        """Accepted `language` values: "auto" plus the checkpoint's languages (dialects come with speakers)."""
+        dialects = {d for d in self.cfg.talker.speaker_dialects.values() if d}
+        return ["auto"] + sorted(k for k in self.cfg.talker.language_ids if k not in dialects)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One validated synthesis request."""
+
+    text_ids: tuple[int, ...]  # the assistant template's ids; () while the text is not known yet
+    cond: Conditioning
+    options: SamplingOptions
+    non_streaming_mode: bool  # the text layout (prompt.py)
+    seed: int  # drives every random draw; the same seed gives the same bytes
+    live: LiveText | None = None  # text still arriving (a text source rather than a string)
+
+
+def validate_options(
+    rules: Rules,
+    voice: str | os.PathLike | Voice | None = None,
+    language: str | None = None,
+    instruct: str | None = None,
+    seed: int | None = None,
+    non_streaming_mode: bool | None = None,
+    **sampling,
+) -> Request:
+    """Everything but the text, checked and resolved: a `Request` with no text ids yet (a random
+    seed is drawn when none is given)."""
+    cond = _conditioning(rules, voice, language, instruct)
+    options = _sampling(rules.defaults, sampling)
+    if non_streaming_mode is None:
+        non_streaming_mode = rules.model_type != "base"  # the reference's default per model type
+    if not isinstance(non_streaming_mode, bool):
+        raise RequestError(
+            "non_streaming_mode", f"non_streaming_mode must be True or False, got {non_streaming_mode!r}"
+        )
+    if seed is None:
+        seed = int.from_bytes(os.urandom(6), "little")
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
+        raise RequestError("seed", f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return Request((), cond, options, non_streaming_mode, seed)
+
+
+def build_request(
+    rules: Rules,
+    text: TextSource,
+    voice: str | os.PathLike | Voice | None = None,
+    language: str | None = None,
+    instruct: str | None = None,
+    seed: int | None = None,
+    non_streaming_mode: bool | None = None,
+    text_timeout: float | None = 30.0,
+    **sampling,
+) -> Request:
+    """A whole text, or a source of text still arriving (an iterable or async iterable of deltas,
+    or a `TextFeed`, read from now on; `text_timeout`: seconds it may stay idle, None for no limit;
+    its default layout is the one that reads the text while generating, `non_streaming_mode=False`)."""
+    if isinstance(text, str):
+        if not text.strip():
+            raise RequestError("text", "text is empty")
+        base = validate_options(rules, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        ids = rules.tokenizer.assistant_ids(text)
+        if not has_text(ids):
+            raise RequestError("text", "text produced no tokens")
+        return replace(base, text_ids=tuple(ids))
+    if isinstance(text, (bytes, bytearray)):
+        raise RequestError("text", "text must be a string or a source of strings, not bytes")
+    if not isinstance(text, (Iterable, AsyncIterable, TextFeed)):
+        kind = type(text).__name__
+        raise RequestError("text", f"text must be a string, an iterable or an async iterable of strings, not {kind}")
+    if text_timeout is not None and (
+        isinstance(text_timeout, bool) or not isinstance(text_timeout, (int, float)) or not text_timeout > 0
+    ):
+        raise RequestError(
+            "text_timeout", f"text_timeout must be a number of seconds > 0 or None, got {text_timeout!r}"
+        )
+    layout = False if non_streaming_mode is None else non_streaming_mode
+    base = validate_options(rules, voice, language, instruct, seed, layout, **sampling)
+    return replace(base, live=LiveText(rules.tokenizer, as_feed(text), text_timeout))  # starts reading it
+
+
+def ref_text_ids(rules: Rules, ref_text: str) -> list[int]:
+    """The tokens of a cloned voice's transcript (no template ids); none at all is an error."""
+    ids = rules.tokenizer.text_ids(ref_text)
+    if not ids:
+        raise RequestError("ref_text", "ref_text produced no tokens")
+    return ids
+
+
+def _conditioning(rules: Rules, voice, language, instruct) -> Conditioning:
+    t = rules.cfg.talker
+    if rules.model_type == "base":
+        clone, ref_ids, speaker = _cloned_voice(rules, voice), None, None
+        if clone.ref_codes is not None:
+            ref_ids = tuple(ref_text_ids(rules, clone.ref_text))
+    else:
+        clone, ref_ids, speaker = None, None, _speaker(rules, voice)
+    lang = "auto" if language is None else language
+    if not isinstance(lang, str) or lang.strip().lower() not in rules.languages:
+        raise RequestError("language", f"unknown language {language!r}; choose one of: {', '.join(rules.languages)}")
+    lang = lang.strip().lower()
+    language_id = None if lang == "auto" else t.language_ids[lang]
+    dialect = t.speaker_dialects.get(speaker) if speaker else None
+    if dialect and lang in ("chinese", "auto"):
+        language_id = t.language_ids[dialect]  # eric -> Sichuan, dylan -> Beijing dialect
+    speaker_id = t.speaker_ids[speaker] if speaker else None
+    return Conditioning(language_id, speaker_id, _instruct(rules, instruct), clone, ref_ids)
+
+
+def _cloned_voice(rules: Rules, voice) -> Voice:
+    """A Base checkpoint's `voice=`: a `Voice`, or the path of a saved one."""
+    if voice is None:
+        raise RequestError(
+            "voice",
+            "this Base checkpoint clones voices: pass voice= a Voice from engine.create_voice(...) "
+            "or the path of a saved voice file",
+        )
+    if isinstance(voice, (str, os.PathLike)):
+        try:
+            voice = Voice.load(voice)
+        except ValueError as e:
+            raise RequestError("voice", str(e)) from None
+    elif not isinstance(voice, Voice):
+        raise RequestError("voice", f"voice must be a Voice or the path of a voice file, got {type(voice).__name__}")
+    if voice.model != rules.voice_model:
+        raise RequestError(
+            "voice",
+            f"this voice was made with {voice.model.describe()}, but this engine loaded "
+            f"{rules.voice_model.describe()}; create the voice again with this checkpoint",
+        )
+    codes, q, size = voice.ref_codes, rules.cfg.talker.num_code_groups, rules.codebook_size
+    if codes is not None and (codes.shape[1] != q or int(codes.min()) < 0 or int(codes.max()) >= size):
+        raise RequestError("voice", f"voice ref_codes must be (frames, {q}) codes in 0..{size - 1}")
+    return voice
+
+
+def _speaker(rules: Rules, voice) -> str | None:
+    kind = rules.model_type
+    if isinstance(voice, (Voice, os.PathLike)):
+        raise RequestError("voice", f"cloned voices need a Base checkpoint; this is a {kind} checkpoint")
+    if kind == "voice_design":
+        if voice is not None:
+            raise RequestError(
+                "voice", "VoiceDesign checkpoints have no preset voices: describe the voice with instruct="
+            )
+        return None
+    if voice is None:
+        raise RequestError("voice", f"voice is required; choose one of: {', '.join(rules.voices)}")
+    name = voice.strip().lower() if isinstance(voice, str) else voice
+    if name not in rules.cfg.talker.speaker_ids:
+        raise RequestError("voice", f"unknown voice {voice!r}; choose one of: {', '.join(rules.voices)}")
+    return name
+
+
+def _instruct(rules: Rules, instruct) -> tuple[int, ...] | None:
+    if instruct is not None and not isinstance(instruct, str):
+        raise RequestError("instruct", f"instruct must be a string, got {type(instruct).__name__}")
+    given = bool(instruct and instruct.strip())
+    kind = rules.model_type
+    if given and kind == "base":
+        raise RequestError("instruct", "Base checkpoints take no instruct; the voice comes from voice=")
+    if kind == "voice_design" and not given:
+        raise RequestError("instruct", "VoiceDesign checkpoints need instruct=, a description of the voice")
+    if given and kind == "custom_voice" and rules.cfg.tts_model_size == "0b6":
+        raise RequestError(
+            "instruct", "the 0.6B CustomVoice checkpoint does not support instruct; use a 1.7B checkpoint"
+        )
+    return tuple(rules.tokenizer.instruct_ids(instruct)) if given else None
+
+
+def _sampling(defaults: SamplingOptions, sampling: dict) -> SamplingOptions:
+    names = SamplingOptions.names()
+    unknown = sorted(set(sampling) - set(names))
+    if unknown:
+        raise RequestError(unknown[0], f"unknown option {unknown[0]!r}; valid options: {', '.join(names)}")
+    return replace(defaults, **{k: v for k, v in sampling.items() if v is not None})
