@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 
 SAMPLE_RATE = 24000  # Hz, output of every released 12 Hz checkpoint
-SAMPLES_PER_FRAME = 1920  # 80 ms of audio per code frame
 MIN_REFERENCE_S = 1.0  # shortest reference audio accepted, seconds (3-10 s clone best)
 SILENCE_PEAK = 1e-3  # a reference whose peak stays below this (-60 dBFS) is treated as silence
 

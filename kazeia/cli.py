@@ -9,13 +9,21 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import dataclasses
 import os
 import sys
+
+from .sampling import SamplingOptions
+from .server.config import Limits, ServerConfig
+from .streaming import ChunkSchedule
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
+    from .checkpoint import DTYPES
+    from .text import SPLIT_REGEXES
+
     p.add_argument(
         "--model",
         default=os.environ.get("KAZEIA_MODEL", DEFAULT_MODEL),
@@ -25,56 +33,30 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "int8"],
-        help="talker and code-predictor weight precision (default: float32)",
+        choices=list(DTYPES),
+        help="talker and code-predictor weight precision (default: %(default)s)",
     )
     p.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")
     p.add_argument("--threads", type=int, help="CPU threads for torch's kernels (default: one per core)")
     p.add_argument(
         "--tokenizer-regex",
         default="qwen2",
-        choices=["qwen2", "reference-local"],
-        help="text split regex (default: qwen2; see docs)",
+        choices=list(SPLIT_REGEXES),
+        help="text split regex (default: %(default)s; see docs)",
     )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
+    """One flag per `SamplingOptions` field (--top-k for top_k), with its description; unset flags
+    leave the checkpoint's default."""
     g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
-    g.add_argument(
-        "--do-sample",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="sample codebook 0 (--no-do-sample: greedy)",
-    )
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--repetition-penalty", type=float)
-    g.add_argument("--max-new-tokens", type=int, help="talker tokens at most (frames <= this - 1)")
-    g.add_argument(
-        "--subtalker-dosample",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="sample codebooks 1..15 (--no-subtalker-dosample: greedy)",
-    )
-    g.add_argument("--subtalker-temperature", type=float)
-    g.add_argument("--subtalker-top-k", type=int)
-    g.add_argument("--subtalker-top-p", type=float)
+    for name, (kind, help) in SamplingOptions.describe().items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
+        else:
+            g.add_argument(flag, type=kind, help=help)
     g.add_argument("--greedy", action="store_true", help="shorthand for --no-do-sample --no-subtalker-dosample")
-
-
-SAMPLING_FLAGS = (
-    "do_sample",
-    "temperature",
-    "top_k",
-    "top_p",
-    "repetition_penalty",
-    "max_new_tokens",
-    "subtalker_dosample",
-    "subtalker_temperature",
-    "subtalker_top_k",
-    "subtalker_top_p",
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,8 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write audio as it is generated: a WAV file, or raw 16-bit PCM to stdout with -o -",
     )
-    say.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first streamed chunk")
-    say.add_argument("--chunk-frames", type=int, default=4, help="frames in each later streamed chunk")
+    _chunk_args(say, ChunkSchedule.first, ChunkSchedule.rest)
     _sampling_args(say)
 
     voices = sub.add_parser(
@@ -124,23 +105,36 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    server, limits = _defaults(ServerConfig), _defaults(Limits)
     srv.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
-    srv.add_argument("--queue-size", type=int, default=16, help="utterances waiting before 503 (default: %(default)s)")
-    srv.add_argument("--max-input-chars", type=int, default=4096, help="longest input text (default: %(default)s)")
     srv.add_argument(
-        "--max-new-tokens", type=int, default=4096, help="talker tokens per utterance at most (default: %(default)s)"
+        "--queue-size",
+        type=int,
+        default=server["queue_size"],
+        help="utterances waiting before 503 (default: %(default)s)",
     )
-    srv.add_argument("--first-chunk-frames", type=int, default=1, help="frames in the first streamed chunk")
-    srv.add_argument("--chunk-frames", type=int, default=4, help="frames in each later streamed chunk")
+    srv.add_argument(
+        "--max-input-chars",
+        type=int,
+        default=limits["max_input_chars"],
+        help="longest input text (default: %(default)s)",
+    )
+    srv.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=limits["max_new_tokens"],
+        help="talker tokens per utterance at most (default: %(default)s)",
+    )
+    _chunk_args(srv, server["first_chunk_frames"], server["chunk_frames"])
     srv.add_argument(
         "--voices-dir",
-        default="voices",
+        default=server["voices_dir"],
         help="Base checkpoints: directory of the saved voices, created if missing (default: ./%(default)s)",
     )
     srv.add_argument(
         "--text-timeout",
         type=float,
-        default=10.0,
+        default=server["text_timeout"],
         help="seconds a live WebSocket text may pause before its utterance fails (default: %(default)s)",
     )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -152,6 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--real-size", action="store_true", help="real dimensions (GBs) instead of tiny ones")
     rnd.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _chunk_args(p: argparse.ArgumentParser, first: int, rest: int) -> None:
+    p.add_argument("--first-chunk-frames", type=int, default=first, help="frames in the first streamed chunk")
+    p.add_argument("--chunk-frames", type=int, default=rest, help="frames in each later streamed chunk")
+
+
+def _defaults(settings) -> dict:
+    """A settings dataclass's field defaults, the flags' defaults."""
+    return {f.name: f.default for f in dataclasses.fields(settings)}
 
 
 def _load(args):
@@ -171,7 +175,7 @@ def _say(args) -> int:
     from .audio import write_audio
 
     engine = _load(args)
-    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    sampling = {name: getattr(args, name) for name in SamplingOptions.names()}
     if args.greedy:
         sampling.update(do_sample=False, subtalker_dosample=False)
     if args.stream:
@@ -252,7 +256,10 @@ def _voices(args) -> int:
 
 def _serve(args) -> int:
     try:
-        from .server import Limits, ServerConfig, serve
+        from .server import (
+            app,  # noqa: F401  (the server extra, imported now for a clear error)
+            serve,
+        )
     except ImportError as e:
         missing = f"{e.name} is missing"
         print(f"kazeia: error: serve needs the server extra ({missing}): pip install 'kazeia[server]'", file=sys.stderr)

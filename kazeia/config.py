@@ -9,6 +9,7 @@ engine uses is read explicitly; a missing key is a `CheckpointError` naming the 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,9 +227,7 @@ class VocoderConfig:
             samples_per_frame=top.get("decode_upsample_rate", int),
             sample_rate=top.get("output_sample_rate", int),
         )
-        total = 1
-        for r in cfg.upsample_rates + cfg.upsampling_ratios:
-            total *= r
+        total = math.prod(cfg.upsample_rates + cfg.upsampling_ratios)
         if total != cfg.samples_per_frame:
             raise CheckpointError(
                 f"{path}: upsampling factors multiply to {total}, but decode_upsample_rate is {cfg.samples_per_frame}"
@@ -272,10 +271,7 @@ class EncoderConfig:
 
     @property
     def downsample_stride(self) -> int:
-        hop = 1
-        for s in self.strides:
-            hop *= s
-        return self.samples_per_frame // hop
+        return self.samples_per_frame // math.prod(self.strides)
 
     @classmethod
     def from_file(cls, path: Path) -> EncoderConfig:
@@ -289,9 +285,7 @@ class EncoderConfig:
         if f.get("codebook_dim", int) != f.get("vector_quantization_hidden_dimension", int):
             raise CheckpointError(f"{path}: encoder_config codebook_dim != vector_quantization_hidden_dimension")
         strides = tuple(reversed(f.get("upsampling_ratios", list)))
-        hop = 1
-        for s in strides:
-            hop *= s
+        hop = math.prod(strides)
         # Mimi: kernel 2 * int(ceil(sampling_rate / hop) / frame_rate), stride 2.
         kernel = 2 * int(-(-f.get("sampling_rate", int) // hop) / f.get("_frame_rate", float))
         cfg = cls(

@@ -20,11 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import assign, load_tensors
-from .config import CheckpointError, EncoderConfig
-from .layers import Rotary, apply_rotary
-from .vocoder import LayerScale
+from .config import EncoderConfig
+from .layers import Attention, LayerScale, Rotary, codebook_vectors
 
-CODEBOOK_EPS = 1e-5  # clamp on cluster_usage when turning running sums into codebook vectors
 RELEASED_PREFIX = "encoder."  # tensor names in speech_tokenizer/model.safetensors
 # Quantizer tensors encoding does not read (codebooks are rebuilt from embed_sum / cluster_usage).
 UNUSED_SUFFIXES = (".embed_sum", ".cluster_usage", ".initialized", ".output_proj.weight")
@@ -90,27 +88,6 @@ class SEANet(nn.Module):
         return x
 
 
-class Attention(nn.Module):
-    """Causal multi-head self-attention with RoPE over the whole sequence (no cache, no q/k norm)."""
-
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(dim, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x (B, T, dim) -> (B, T, dim)."""
-        B, T, _ = x.shape
-        q = apply_rotary(self.q_proj(x).view(B, T, self.heads, self.head_dim), *rope).transpose(1, 2)
-        k = apply_rotary(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim), *rope).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
-
-
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -127,7 +104,7 @@ class Block(nn.Module):
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
         dim = cfg.hidden_size
-        self.self_attn = Attention(dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.self_attn = Attention(dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, qk_norm_eps=None)
         self.mlp = MLP(dim, cfg.intermediate_size)
         self.input_layernorm = nn.LayerNorm(dim, eps=cfg.norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(dim, eps=cfg.norm_eps)
@@ -248,7 +225,12 @@ def encoder_tensors(released: Mapping[str, torch.Tensor], cfg: EncoderConfig, wh
     for group, n in counts.items():
         prefix = f"{RELEASED_PREFIX}quantizer.{QUANTIZER_GROUPS[group]}.layers."
         out[f"quantizer.{group}.codebooks"] = torch.stack(
-            [_codebook(released, f"{prefix}{i}.codebook.", where) for i in range(n)]
+            [
+                codebook_vectors(
+                    released, f"{prefix}{i}.codebook.embed_sum", f"{prefix}{i}.codebook.cluster_usage", where
+                )
+                for i in range(n)
+            ]  # fmt: skip
         )
     return out
 
@@ -256,15 +238,6 @@ def encoder_tensors(released: Mapping[str, torch.Tensor], cfg: EncoderConfig, wh
 def _quantizer_group(rest: str) -> str | None:
     released_group = rest.split(".")[1] if rest.count(".") >= 2 else ""
     return next((ours for ours, theirs in QUANTIZER_GROUPS.items() if theirs == released_group), None)
-
-
-def _codebook(released: Mapping[str, torch.Tensor], prefix: str, where: str) -> torch.Tensor:
-    """One codebook's vectors (size, dim) = embed_sum / clamp(cluster_usage, 1e-5), in float32."""
-    for field in ("embed_sum", "cluster_usage"):
-        if prefix + field not in released:
-            raise CheckpointError(f"{where}: missing tensor {prefix + field}")
-    usage = released[prefix + "cluster_usage"].float()
-    return released[prefix + "embed_sum"].float() / usage.clamp(min=CODEBOOK_EPS)[:, None]
 
 
 def _released_name(name: str) -> str:

@@ -203,9 +203,10 @@ class Engine:
         code_matrix = torch.stack(codes)  # (frames, 16)
         audio = self._audio(code_matrix, request, reference_chunked_decode)
         wall = time.perf_counter() - start
-        audio_s = len(audio) / SAMPLE_RATE
+        rate = self.vocoder.cfg.sample_rate
+        audio_s = len(audio) / rate
         metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed)
-        return Speech(audio, SAMPLE_RATE, code_matrix.cpu().numpy(), metrics)
+        return Speech(audio, rate, code_matrix.cpu().numpy(), metrics)
 
     def stream(
         self,

@@ -6,14 +6,15 @@ S = cached positions, nh / nkv = query / key-value heads, hd = head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import cpu
-from .config import TransformerConfig
+from .config import CheckpointError, TransformerConfig
 
 
 class RMSNorm(nn.Module):
@@ -81,11 +82,36 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
+class LayerScale(nn.Module):
+    """Per-channel scale of a residual branch (the speech tokenizer's transformers)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
+CODEBOOK_EPS = 1e-5  # clamp on cluster_usage when turning running sums into codebook vectors
+
+
+def codebook_vectors(released: Mapping[str, torch.Tensor], total: str, usage: str, where: str = "") -> torch.Tensor:
+    """One codebook of the speech tokenizer, rebuilt from the running sums it was released as:
+    (size, dim) = released[total] / clamp(released[usage], CODEBOOK_EPS), in float32. A missing
+    tensor is a CheckpointError naming it (and the file, `where`)."""
+    for name in (total, usage):
+        if name not in released:
+            raise CheckpointError(f"{where + ': ' if where else ''}missing tensor {name}")
+    return released[total].float() / released[usage].float().clamp(min=CODEBOOK_EPS)[:, None]
+
+
 class KVCache:
     """Preallocated keys and values of one attention layer: (B, nkv, capacity, hd) each.
 
     The owner writes positions [start, start + T) with `write` and reads the filled prefix
-    with `view(end)`. Nothing is reallocated while a request runs.
+    with `view(end)`; a write past the capacity is an error (the talker's owner grows its cache
+    by whole blocks before that: generate.TalkerCache).
     """
 
     def __init__(self, batch: int, kv_heads: int, capacity: int, head_dim: int, device, dtype):
@@ -108,8 +134,18 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+class WindowCacheLike(Protocol):
+    """What `Attention` needs of a cache: `write` new keys/values, `view` what the queries see
+    (KVCache; the vocoder's sliding-window cache)."""
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention; optional per-head q/k RMSNorm before RoPE (Qwen3)."""
+    """Grouped-query self-attention with RoPE; optional per-head q/k RMSNorm before it (Qwen3);
+    over a KV cache (decoders, the vocoder's window) or none (the speech encoder)."""
 
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, qk_norm_eps: float | None):
         super().__init__()
@@ -142,11 +178,12 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        cache: KVCache,
-        start: int,
-        mask: torch.Tensor | None,
+        cache: KVCache | WindowCacheLike | None = None,
+        start: int = 0,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x (B, T, dim) at positions [start, start+T) of `cache`; mask (T, S) bool or None = causal.
+        Without a cache: self-attention over x alone (positions 0..T-1, causal).
 
         Queries and keys travel together as (B, T, heads + kv_heads, hd): one norm, one rotation.
         The cache may hold a wider dtype than x (float32 caches for reduced-precision weights on the
@@ -163,8 +200,11 @@ class Attention(nn.Module):
             scale = self.qk_norm_weight if self.qk_norm_weight is not None else self._qk_scale()
             qk = rms_norm(qk, scale, self.q_norm.eps)
         qk = apply_rotary(qk, *rope).transpose(1, 2)  # (B, nq + nkv, T, hd)
-        cache.write(start, qk[:, nq:], v.transpose(1, 2))
-        keys, values = cache.view(start + T)  # (B, nkv, S, hd)
+        if cache is None:
+            keys, values = qk[:, nq:], v.transpose(1, 2)  # (B, nkv, T, hd)
+        else:
+            cache.write(start, qk[:, nq:], v.transpose(1, 2))
+            keys, values = cache.view(start + T)  # (B, nkv, S, hd)
         if mask is None and T > 1 and start > 0:
             mask = causal_mask(T, start + T, start, x.device)
         out = F.scaled_dot_product_attention(
@@ -297,9 +337,9 @@ LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default  # the resolved ov
 class PackedLinear(nn.Module):
     """A Linear whose weight is pre-packed for oneDNN's CPU matmul (float32 / bfloat16).
 
-    For batch-1 products oneDNN reads a packed weight about 1.5-1.8x faster than the stock GEMV
-    (measured: float32 30 against 17 GB/s, bfloat16 26 against 18). Same sums, in another order:
-    results differ from `F.linear` by float rounding only (~1e-6 relative in float32).
+    oneDNN reads a packed weight faster than the stock kernel reads a plain one in batch-1
+    products (figures: docs/design.md). Same sums, in another order: results differ from
+    `F.linear` by float rounding only (~1e-6 relative in float32).
     """
 
     def __init__(self, linear: nn.Linear):

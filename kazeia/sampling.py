@@ -10,7 +10,7 @@ takes an explicit `torch.Generator`; no global RNG state is read or written.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -22,22 +22,27 @@ MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two talker tokens
 CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, never sampled (except EOS)
 
 
+def _option(default, help: str):
+    """A field with its one-line description (shown by `kazeia say --help`)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """Generation options, named as in the reference's `generate_*` functions; the defaults are
     the reference's fallbacks where a checkpoint's generation_config.json says nothing."""
 
-    do_sample: bool = True  # talker: sample codebook 0 (False: greedy argmax)
-    temperature: float = 0.9  # talker logits are divided by this before top-k/top-p
-    top_k: int = 50  # keep the k most likely codebook-0 tokens (0: no limit)
-    top_p: float = 1.0  # nucleus: keep the smallest set with this probability mass (1.0: off)
-    repetition_penalty: float = 1.05  # >1 discourages repeating generated codebook-0 tokens (1.0: off)
-    max_new_tokens: int = 2048  # talker tokens incl. the final EOS/cut-off one; frames <= max_new_tokens - 1
-    subtalker_dosample: bool = True  # code predictor: sample codebooks 1..15 (False: greedy)
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
-    ignore_eos: bool = False  # never sample EOS: exactly max_new_tokens - 1 frames (benchmarks)
+    do_sample: bool = _option(True, "talker: sample codebook 0 (False: greedy argmax)")
+    temperature: float = _option(0.9, "talker logits are divided by this before top-k/top-p")
+    top_k: int = _option(50, "keep the k most likely codebook-0 tokens (0: no limit)")
+    top_p: float = _option(1.0, "nucleus: keep the smallest set with this probability mass (1.0: off)")
+    repetition_penalty: float = _option(1.05, ">1 discourages repeating generated codebook-0 tokens (1.0: off)")
+    max_new_tokens: int = _option(2048, "talker tokens incl. the final EOS/cut-off one; frames <= this - 1")
+    subtalker_dosample: bool = _option(True, "code predictor: sample codebooks 1..15 (False: greedy)")
+    subtalker_temperature: float = _option(0.9, "code predictor: temperature")
+    subtalker_top_k: int = _option(50, "code predictor: top-k (0: no limit)")
+    subtalker_top_p: float = _option(1.0, "code predictor: top-p (1.0: off)")
+    ignore_eos: bool = _option(False, "never sample EOS: exactly max_new_tokens - 1 frames (benchmarks)")
 
     def __post_init__(self) -> None:
         for name in ("do_sample", "subtalker_dosample", "ignore_eos"):
@@ -56,6 +61,11 @@ class SamplingOptions:
     @classmethod
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def describe(cls) -> dict[str, tuple[type, str]]:
+        """name -> (type of its values, one-line description), for front ends' flags."""
+        return {f.name: (type(f.default), f.metadata["help"]) for f in fields(cls)}
 
     @classmethod
     def from_file(cls, path: Path) -> SamplingOptions:

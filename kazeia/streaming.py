@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .audio import SAMPLE_RATE
 from .vocoder import Vocoder, VocoderState
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
@@ -201,7 +200,7 @@ class SpeechStream:
 
     def _finish(self) -> None:
         wall = time.perf_counter() - self._started
-        audio_s = self._samples / SAMPLE_RATE
+        audio_s = self._samples / self._vocoder.cfg.sample_rate
         prefill = (self._progress.first_frame_at or self._started) - self._started
         self.codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
         rtf = wall / audio_s if audio_s else float("inf")

@@ -8,8 +8,7 @@ recomputing earlier frames. Non-goals: the encoder (audio -> codes) and the spea
 
 Shapes: B = batch, n = frames in a chunk, L = samples at a layer's rate, C = channels. Up to the
 upsampling, activations are channel-major (B, C, L); the SnakeBeta decoder runs time-major (B, L, C),
-the layout oneDNN's convolutions are fastest in here (96 channels at 24 kHz: 1.4x; see
-`DecoderConv`), and its SnakeBeta runs in one pass of compiled code where there is some.
+the layout its convolutions are fastest in (kazeia/conv.py).
 """
 
 from __future__ import annotations
@@ -27,34 +26,27 @@ from torch import nn
 
 from . import native
 from .checkpoint import assign, load_tensors
-from .config import CheckpointError, VocoderConfig
+from .config import VocoderConfig
+from .conv import POLYPHASE_MIN_POSITIONS, CausalConv, SnakeBeta, TimeMajorConv, TimeMajorTransConv, TransConv
 from .layers import (
-    LINEAR_POINTWISE,
     Attention,
+    LayerScale,
     RMSNorm,
     Rotary,
     SwiGLU,
     can_pack,
     causal_mask,
+    codebook_vectors,
     fuse_projections,
     pack_linears,
 )
 
 SEMANTIC_QUANTIZERS = 1  # codebook 0 has its own output projection (rvq_first); the others share one
-CODEBOOK_EPS = 1e-5  # clamp on cluster_usage when turning running sums into codebook vectors
-SNAKE_EPS = 1e-9
 CONVNEXT_NORM_EPS = 1e-6
 INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-# Frames per decode_chunk call in `forward`: bounds memory and keeps activations in cache (32 was
-# the fastest measured on a 2-core CPU: 35 ms/frame against 51 for 96-frame blocks). Never changes the audio.
+# Frames per decode_chunk call in `decode_blocks`: bounds memory and keeps activations in cache (the
+# fastest block size measured, docs/design.md). Never changes the audio.
 OFFLINE_BLOCK = 32
-# Inputs per call from which a decoder block's transposed conv runs as one polyphase conv
-# (`DecoderTransConv`): the measured break-even is near 128 (the weight's per-call reorder against
-# the faster arithmetic).
-POLYPHASE_MIN_POSITIONS = 256
-# A decoder conv whose weight has this many times more values than its input runs as a matrix
-# product (`DecoderConv`): measured, it wins from ~80x (convs with 64x or less stay convs).
-GEMM_MIN_WEIGHT_RATIO = 64
 
 
 class WindowCache:
@@ -91,235 +83,6 @@ class VocoderState:
     @property
     def batch(self) -> int:
         return self.caches[0].k.shape[0]
-
-
-class CausalConv(nn.Module):
-    """Conv1d whose (k-1)*d left inputs come from the state: zeros at the start (the reference's pad)."""
-
-    def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1):
-        super().__init__()
-        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
-        self.keep = (kernel - 1) * dilation  # inputs carried to the next chunk
-        self.slot = -1  # index into VocoderState.tails, set by Vocoder
-
-    def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        """x (B, C_in, L) -> (B, C_out, L)."""
-        if self.keep == 0:
-            return self.conv(x)
-        x = torch.cat((state.tails[self.slot], x), dim=-1)  # (B, C_in, keep + L)
-        state.tails[self.slot] = x[..., -self.keep :].clone()
-        return self.conv(x)
-
-    def new_tail(self, batch: int, **like) -> torch.Tensor:
-        return torch.zeros(batch, self.conv.in_channels, self.keep, **like)
-
-
-class TransConv(nn.Module):
-    """ConvTranspose1d(k, stride s) cut to exactly L*s outputs, the reference's right-only trim.
-
-    Output m depends on inputs m//s back to m//s - (ceil(k/s) - 1), so the state keeps that many
-    previous inputs: one for k = 2s, none for k = s.
-    """
-
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int):
-        super().__init__()
-        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
-        self.stride = stride
-        self.keep = -(-kernel // stride) - 1
-        self.slot = -1
-
-    def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        """x (B, C_in, L) -> (B, C_out, L*s).
-
-        Computed as one matrix product per input sample (each input spreads k outputs) and an
-        overlap-add of the `keep` previous inputs' spill-over: the same sums as ConvTranspose1d, but
-        without its slow small-input kernel on the CPU.
-        """
-        B, _, L = x.shape
-        s, (cin, cout, k) = self.stride, self.conv.weight.shape
-        if self.keep > 0:
-            x = torch.cat((state.tails[self.slot], x), dim=-1)  # (B, C_in, keep + L)
-            state.tails[self.slot] = x[..., -self.keep :].clone()
-        spread = torch.matmul(x.transpose(1, 2), self.conv.weight.reshape(cin, cout * k))  # (B, keep + L, C_out*k)
-        spread = spread.view(B, -1, cout, k // s, s)  # (B, keep + L, C_out, taps, s)
-        y = spread[:, self.keep :, :, 0]
-        for tap in range(1, k // s):  # input t - tap adds its tap-th block of s outputs
-            y = y + spread[:, self.keep - tap : self.keep - tap + L, :, tap]
-        y = y.permute(0, 2, 1, 3).reshape(B, cout, L * s)  # (B, C_out, L*s), a fresh copy
-        return y.add_(self.conv.bias[:, None])
-
-    def new_tail(self, batch: int, **like) -> torch.Tensor:
-        return torch.zeros(batch, self.conv.in_channels, self.keep, **like)
-
-
-def _time_major_input(x: torch.Tensor, state: VocoderState, slot: int, keep: int, act: SnakeBeta | None):
-    """(B, keep + L, C): the `keep` positions carried in state.tails[slot], then act(x) (or x),
-    written straight into one buffer; its last `keep` positions become the new tail. With nothing
-    carried (keep = 0): act(x), or x."""
-    if keep == 0:
-        return x if act is None else act(x)
-    B, L, C = x.shape
-    padded = x.new_empty(B, keep + L, C)
-    padded[:, :keep] = state.tails[slot]
-    if act is None:
-        padded[:, keep:] = x
-    else:
-        act(x, out=padded[:, keep:])
-    state.tails[slot] = padded[:, -keep:].clone()
-    return padded
-
-
-class _TimeMajorTail:
-    """The carried inputs of a time-major conv: (B, keep, C_in)."""
-
-    def new_tail(self, batch: int, **like) -> torch.Tensor:
-        return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
-
-
-class DecoderConv(_TimeMajorTail, CausalConv):
-    """`CausalConv` on time-major activations, (B, L, C_in) -> (B, L, C_out), of act(x) when given.
-
-    Runs as a (1 x k) conv2d on the channels-last view of x, with no copy in or out. oneDNN is
-    faster in that layout here (2-core AVX-512 EPYC, 32-frame blocks: k7 over 96 channels at 24 kHz
-    99-111 GMAC/s against 69-82 channel-major; 1x1 convs 15-25% faster). `store_for_reading` stores the
-    weight in that layout too (same shape and values), else PyTorch copies it so on every call.
-
-    oneDNN also reorders the weight on every call, which dominates when the weight is much larger
-    than the input (at least GEMM_MIN_WEIGHT_RATIO times): the first conv (1024 -> 1536 channels,
-    k7, 4 inputs a frame) took 36 ms per 32 frames and 21 per 4-frame streaming chunk. Such calls
-    run as one matrix product over the k-tap windows instead: 20 and 5 ms.
-    """
-
-    def forward(self, x: torch.Tensor, state: VocoderState, act: SnakeBeta | None = None) -> torch.Tensor:
-        x = _time_major_input(x, state, self.slot, self.keep, act)  # (B, keep + L, C_in)
-        conv, (B, positions, cin) = self.conv, x.shape
-        cout, _, k = conv.weight.shape
-        if conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * x.numel():
-            # One matrix product over the k-tap windows of x (a strided view, copied once): the
-            # weight, stored (C_out, k, C_in), is read in place, with no per-call reorder.
-            L, d = positions - self.keep, conv.dilation[0]
-            x = x.contiguous()
-            windows = x.as_strided((B, L, k, cin), (x.stride(0), cin, d * cin, 1)).reshape(B * L, k * cin)
-            y = torch.addmm(conv.bias, windows, conv.weight.transpose(1, 2).reshape(cout, k * cin).t())
-            return y.view(B, L, cout)
-        weight = conv.weight.unsqueeze(2)  # (C_out, C_in, 1, k); channels-last when stored (C_out, k, C_in)
-        y = F.conv2d(x.transpose(1, 2).unsqueeze(2), weight, conv.bias, dilation=(1, conv.dilation[0]))
-        return y.squeeze(2).transpose(1, 2)  # (B, L, C_out)
-
-    def store_for_reading(self) -> None:
-        """Store the weight (C_out, k, C_in), the order the conv reads (`Vocoder.load` does this)."""
-        weight = self.conv.weight.detach()
-        stored = weight.transpose(1, 2).contiguous().transpose(1, 2)  # a no-op when already so
-        if stored.data_ptr() != weight.data_ptr():
-            self.conv.weight = nn.Parameter(stored, requires_grad=False)
-
-
-class DecoderTransConv(_TimeMajorTail, TransConv):
-    """`TransConv` on time-major activations: (B, L, C_in) -> (B, L*s, C_out), of act(x) when given.
-
-    With k = taps * s, output t*s + p is a k=taps convolution of inputs t - taps + 1 .. t with the
-    weights of phase p. For calls of at least POLYPHASE_MIN_POSITIONS inputs it runs so, as one
-    oneDNN conv with s * C_out output channels (phase-major) whose output is already in time order;
-    for shorter ones, as `TransConv` does (one product per input and an overlap-add): oneDNN's
-    per-call weight reorder then costs more than its faster arithmetic saves (the 1536-channel
-    first block, 4 inputs a frame: 54 against 42 ms per 32 frames). A module whose calls stay that
-    short can `pack` its weight for oneDNN's matmul instead (Vocoder.load does so for the first
-    block on the CPU): 38 -> 24 ms per 32 frames, 10 -> 3.4 ms for a 1-frame streaming chunk.
-    """
-
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int):
-        super().__init__(cin, cout, kernel, stride)
-        self.register_buffer("packed", None, persistent=False)  # (C_out*k, C_in) packed, after `pack`
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """conv.weight's (C_in, C_out, k), also once `pack` has dropped it."""
-        return self.conv.in_channels, self.conv.out_channels, self.conv.kernel_size[0]
-
-    @torch.no_grad()
-    def pack(self) -> None:
-        """Put the weight in oneDNN's packed matmul layout (CPU, float32 or bfloat16; see
-        `layers.can_pack`) in place of conv.weight; the polyphase path, which needs the original,
-        is then off."""
-        cin, cout, k = self.shape
-        weight = self.conv.weight.reshape(cin, cout * k).t()  # (C_out*k, C_in), a Linear's (a view: no copy)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        self.conv.weight = None
-
-    def forward(self, x: torch.Tensor, state: VocoderState, act: SnakeBeta | None = None) -> torch.Tensor:
-        B, L, _ = x.shape
-        s, (cin, cout, k) = self.stride, self.shape
-        x = _time_major_input(x, state, self.slot, self.keep, act)  # (B, keep + L, C_in)
-        taps = k // s
-        if self.packed is not None:
-            spread = LINEAR_POINTWISE(x.reshape(-1, cin), self.packed, None, "none", [], "").view(B, -1, cout * k)
-        elif L >= POLYPHASE_MIN_POSITIONS and taps * s == k:
-            # weight[c_in, c_out, tap*s + p] for input t - tap -> kernel (s*C_out, C_in, 1, taps),
-            # kernel position j = keep - tap, in the channels-last layout the conv reads
-            w = self.conv.weight.view(cin, cout, taps, s).permute(3, 1, 0, 2).flip(-1)  # (s, C_out, C_in, taps)
-            w = w.reshape(s * cout, cin, 1, taps).contiguous(memory_format=torch.channels_last)
-            y = F.conv2d(x.transpose(1, 2).unsqueeze(2), w, self.conv.bias.repeat(s))  # (B, s*C_out, 1, L)
-            return y.squeeze(2).transpose(1, 2).reshape(B, L * s, cout)
-        else:
-            spread = torch.matmul(x, self.conv.weight.reshape(cin, cout * k))  # (B, keep + L, C_out*k)
-        spread = spread.view(B, -1, cout, taps, s)  # (B, keep + L, C_out, taps, s)
-        y = spread[:, self.keep :, :, 0]
-        for tap in range(1, taps):  # input t - tap adds its tap-th block of s outputs
-            y = y + spread[:, self.keep - tap : self.keep - tap + L, :, tap]
-        y = y.transpose(2, 3).reshape(B, L * s, cout)  # (B, L*s, C_out), a fresh copy
-        return y.add_(self.conv.bias)
-
-
-class SnakeBeta(nn.Module):
-    """x + sin(x·e^α)² / (e^β + 1e-9) per channel; α and β are stored as logs. Time-major."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.alpha = nn.Parameter(torch.zeros(dim))
-        self.beta = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """x (B, L, C) -> (B, L, C), written into `out` (same shape; may be a window of a wider
-        buffer) when given.
-
-        float32 on the CPU: one pass of kazeia/native's `snake_beta` on torch's thread count, ~5x
-        faster than the five PyTorch passes below and as accurate (against float64).
-        """
-        lib = native.library() if _native_snake(x, out, self.alpha, self.beta) else None
-        if lib is not None:
-            out = torch.empty_like(x) if out is None else out
-            B, L, C = x.shape
-            failed = lib.snake_beta(x.data_ptr(), out.data_ptr(), self.alpha.data_ptr(), self.beta.data_ptr(), B, L, C,
-                                    x.stride(0), out.stride(0), torch.get_num_threads())  # fmt: skip
-            if failed:
-                raise MemoryError("snake_beta: out of memory")
-            return out
-        # x + 1/(β+eps) · sin(x·α)², in place on one temporary (fewer passes over 24 kHz activations)
-        alpha = self.alpha.exp()
-        s = torch.mul(x, alpha, out=out) if out is not None else x * alpha
-        s.sin_()
-        s.mul_(s).mul_(1.0 / (self.beta.exp() + SNAKE_EPS))
-        return s.add_(x)
-
-
-def _native_snake(x: torch.Tensor, out: torch.Tensor | None, *params: torch.Tensor) -> bool:
-    """Can `snake_beta` take these: float32 CPU (B, L, C) tensors whose positions are contiguous
-    rows within each batch entry, and contiguous float32 parameters?"""
-    for t in (x,) if out is None else (x, out):
-        if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 3:
-            return False
-        if t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(1) != t.shape[2]):
-            return False
-    return all(p.dtype == torch.float32 and p.device.type == "cpu" and p.is_contiguous() for p in params)
-
-
-class LayerScale(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
 
 
 class Codebooks(nn.Module):
@@ -407,7 +170,7 @@ class ConvNeXt(nn.Module):
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
         """x (B, C, L) -> (B, C, L)."""
-        h = self.dwconv(x, state).transpose(1, 2)  # (B, L, C)
+        h = self.dwconv(x, state.tails).transpose(1, 2)  # (B, L, C)
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).transpose(1, 2)
 
@@ -418,13 +181,13 @@ class ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int):
         super().__init__()
         self.act1 = SnakeBeta(dim)
-        self.conv1 = DecoderConv(dim, dim, 7, dilation=dilation)
+        self.conv1 = TimeMajorConv(dim, dim, 7, dilation=dilation)
         self.act2 = SnakeBeta(dim)
-        self.conv2 = DecoderConv(dim, dim, 1)
+        self.conv2 = TimeMajorConv(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        h = self.conv1(x, state, act=self.act1)
-        return self.conv2(h, state, act=self.act2).add_(x)  # = x + conv2(...), without a new tensor
+        h = self.conv1(x, state.tails, act=self.act1)
+        return self.conv2(h, state.tails, act=self.act2).add_(x)  # = x + conv2(...), without a new tensor
 
 
 class DecoderBlock(nn.Module):
@@ -433,12 +196,12 @@ class DecoderBlock(nn.Module):
     def __init__(self, cin: int, cout: int, rate: int):
         super().__init__()
         units = [ResidualUnit(cout, d) for d in (1, 3, 9)]
-        self.block = nn.ModuleList([SnakeBeta(cin), DecoderTransConv(cin, cout, 2 * rate, rate), *units])
+        self.block = nn.ModuleList([SnakeBeta(cin), TimeMajorTransConv(cin, cout, 2 * rate, rate), *units])
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
         """x (B, L, C_in) -> (B, L*r, C_out)."""
         snake, up, *units = self.block
-        x = up(x, state, act=snake)
+        x = up(x, state.tails, act=snake)
         for unit in units:
             x = unit(x, state)
         return x
@@ -459,7 +222,7 @@ class Vocoder(nn.Module):
         )
         blocks = [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
         self.decoder = nn.ModuleList(
-            [DecoderConv(latent, dims[0], 7), *blocks, SnakeBeta(dims[-1]), DecoderConv(dims[-1], 1, 7)]
+            [TimeMajorConv(latent, dims[0], 7), *blocks, SnakeBeta(dims[-1]), TimeMajorConv(dims[-1], 1, 7)]
         )
         for slot, module in enumerate(self._stateful()):
             module.slot = slot
@@ -480,7 +243,7 @@ class Vocoder(nn.Module):
         with torch.device("meta"):
             vocoder = cls(cfg)
         path = root / "model.safetensors"
-        # Read, not memory-mapped: the decoder convs' weights are stored anew (`DecoderConv.
+        # Read, not memory-mapped: the decoder convs' weights are stored anew (`TimeMajorConv.
         # store_for_reading`), and a map would keep the file's copy of them resident as well (0.2
         # GB). The encoder's tensors (same file) are skipped, not read.
         released = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith("encoder."))
@@ -488,19 +251,26 @@ class Vocoder(nn.Module):
         del released
         assign(vocoder, tensors, where=str(path), device=device, dtype=dtype)
         del tensors  # the modules hold the only references: each weight replaced below is freed at once
-        vocoder._prepare(device, dtype)
+        vocoder.prepare(device, dtype)
         return vocoder.eval()
 
-    def _prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Loaded weights into the layouts the decoder reads fastest (results change by float
-        rounding only): convolution weights stored (C_out, k, C_in); on the CPU, where oneDNN
-        packs matmul weights, the transformer's and ConvNeXt's linears packed as the talker's (on
-        their few positions a frame: 1-frame streaming chunks 84 -> 77 ms, 4-frame 42 -> 39), and
-        so is the transposed conv of each decoder block whose offline calls never go polyphase."""
+    def prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Loaded weights into the layouts the decoder reads fastest, and the implementations
+        chosen once, here (results change by float rounding only): convolution weights stored
+        (C_out, k, C_in); on the CPU, SnakeBeta in kazeia/native where the library is there
+        (float32), and where oneDNN packs matmul weights, the transformer's and ConvNeXt's linears
+        packed as the talker's, and so is the transposed conv of each decoder block whose offline
+        calls never go polyphase."""
         for module in self.modules():
-            if isinstance(module, DecoderConv):
+            if isinstance(module, TimeMajorConv):
                 module.store_for_reading()
-        if torch.device(device).type != "cpu" or not can_pack(dtype):
+        if torch.device(device).type != "cpu":
+            return
+        lib = native.library() if dtype == torch.float32 else None
+        for module in self.modules():
+            if isinstance(module, SnakeBeta):
+                module.lib = lib
+        if not can_pack(dtype):
             return
         fuse_projections(self.pre_transformer)
         pack_linears(self)
@@ -529,15 +299,15 @@ class Vocoder(nn.Module):
         if n == 0:
             return self._silence(codes.shape[0]) if batched else self._silence(1)[0]
         x = self.quantizer(codes)  # (B, codebook_dim, n)
-        x = self.pre_conv(x, state).transpose(1, 2)  # (B, n, latent)
+        x = self.pre_conv(x, state.tails).transpose(1, 2)  # (B, n, latent)
         x = self.pre_transformer(x, state.caches, state.position).transpose(1, 2)  # (B, latent, n)
         state.position += n
         for up, convnext in self.upsample:
-            x = convnext(up(x, state), state)  # (B, latent, 4n) after both stages
-        x = self.decoder[0](x.transpose(1, 2), state)  # (B, 4n, decoder_dim): time-major from here
+            x = convnext(up(x, state.tails), state)  # (B, latent, 4n) after both stages
+        x = self.decoder[0](x.transpose(1, 2), state.tails)  # (B, 4n, decoder_dim): time-major from here
         for block in self.decoder[1:-2]:
             x = block(x, state)  # (B, n*1920, decoder_dim/16) after the last block
-        audio = self.decoder[-1](x, state, act=self.decoder[-2])[..., 0].clamp(-1, 1)  # (B, n*1920)
+        audio = self.decoder[-1](x, state.tails, act=self.decoder[-2])[..., 0].clamp(-1, 1)  # (B, n*1920)
         return audio if batched else audio[0]
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
@@ -603,14 +373,7 @@ def vocoder_tensors(released: Mapping[str, torch.Tensor], *, num_quantizers: int
         if not name.startswith("encoder.") and name not in unused and name not in pairs
     }
     for group, names in prefixes.items():
-        out[f"quantizer.{group}.codebooks"] = torch.stack([_codebook(released, p) for p in names])  # (n, size, dim)
+        out[f"quantizer.{group}.codebooks"] = torch.stack(
+            [codebook_vectors(released, p + "embedding_sum", p + "cluster_usage") for p in names]
+        )  # (n, size, dim)
     return out
-
-
-def _codebook(released: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """One codebook's vectors (size, dim) = embedding_sum / clamp(cluster_usage, 1e-5), in float32."""
-    for field in ("embedding_sum", "cluster_usage"):
-        if prefix + field not in released:
-            raise CheckpointError(f"missing tensor {prefix + field}")
-    usage = released[prefix + "cluster_usage"].float()
-    return released[prefix + "embedding_sum"].float() / usage.clamp(min=CODEBOOK_EPS)[:, None]

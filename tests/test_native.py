@@ -1,4 +1,4 @@
-"""The compiled decode step (kazeia/native) against the eager layers it replaces, and its fallbacks."""
+"""The native decode step (kazeia/native) against the eager layers it replaces, and its fallbacks."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from kazeia import Engine, native
+from kazeia.conv import SnakeBeta
 from kazeia.layers import Block, KVCache, RMSNorm, Rotary, can_pack, fuse_projections, pack_linears
 from kazeia.quant import QuantLinear, int8_supported, quantize_linears
-from kazeia.vocoder import SnakeBeta
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the eager path runs")
 
@@ -75,8 +75,8 @@ def stack_cases():
 
 
 @pytest.mark.parametrize(("dtype", "linears"), list(stack_cases()))
-def test_compiled_step_matches_the_eager_layers(dtype, linears):
-    """The compiled step against the eager layers over 23 positions (one- and two-position steps),
+def test_native_step_matches_the_eager_layers(dtype, linears):
+    """The native step against the eager layers over 23 positions (one- and two-position steps),
     caches included. float32: the same values up to summation order. Reduced precision and int8,
     where a summation-order difference can move a rounding (to the 16-bit format, or on the int8
     GEMM's activation grid, whose step depends on the CPU: `needs_reduced_range`): as close to the
@@ -125,8 +125,8 @@ def test_compiled_step_matches_the_eager_layers(dtype, linears):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_compiled_int8_product_is_the_eager_one_value_for_value(bias):
-    """decode.c's residual rows and combination (QuantLinear.compiled, what `forward` runs) against
+def test_native_int8_product_is_the_eager_one_value_for_value(bias):
+    """decode.c's residual rows and combination (QuantLinear.native, what `forward` runs) against
     the PyTorch operations (QuantLinear.eager, quant.split_rows) on the same input: bit for bit,
     one row or several, including inputs where no factor fits."""
     torch.manual_seed(3)
@@ -148,7 +148,7 @@ def test_compiled_int8_product_is_the_eager_one_value_for_value(bias):
             assert torch.equal(q(x[None]), got[None])
 
 
-def test_compiled_step_attends_over_the_whole_cache():
+def test_native_step_attends_over_the_whole_cache():
     """A late key that dominates attention must change the output (the attention really spans
     every cached position, grouped query heads included)."""
     layers, norm, _ = make_stack(torch.float32, "plain")
@@ -175,7 +175,7 @@ def test_cache_overflow_is_an_error_not_a_write_past_the_end():
         step(torch.randn(1, 1, DIM), rot.span(4, 1, torch.float32, "cpu"), caches, 4)
 
 
-def test_where_the_compiled_step_does_not_apply():
+def test_where_the_native_step_does_not_apply():
     lib = native.library()
     layers, norm, _ = make_stack(torch.float32, "plain")
     step = native.stack_step(lib, layers, norm, torch.float32)
@@ -228,7 +228,7 @@ def test_build_is_cached_and_a_missing_compiler_is_named(tmp_path):
 
 def test_without_a_compiler_the_engine_warns_once_and_runs_eager(tiny_checkpoints, monkeypatch, tmp_path):
     opts = dict(voice="serena", language="english", do_sample=False, subtalker_dosample=False, max_new_tokens=12)
-    compiled = Engine.load(tiny_checkpoints["0.6B-custom"]).synthesize("Hello there.", **opts)
+    native_out = Engine.load(tiny_checkpoints["0.6B-custom"]).synthesize("Hello there.", **opts)
     monkeypatch.setenv("CC", "no-such-cc")
     monkeypatch.setenv("KAZEIA_CACHE", str(tmp_path))  # nothing cached there: a build is needed
     native.reset()
@@ -238,8 +238,8 @@ def test_without_a_compiler_the_engine_warns_once_and_runs_eager(tiny_checkpoint
         eager = Engine.load(tiny_checkpoints["0.6B-custom"]).synthesize("Hello there.", **opts)
     finally:
         native.reset()
-    np.testing.assert_array_equal(eager.codes, compiled.codes)
-    np.testing.assert_allclose(eager.audio, compiled.audio, atol=1e-4)
+    np.testing.assert_array_equal(eager.codes, native_out.codes)
+    np.testing.assert_allclose(eager.audio, native_out.audio, atol=1e-4)
 
 
 def test_kazeia_native_0_turns_it_off(monkeypatch):
@@ -256,6 +256,7 @@ def snake_truth(x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor
 def snake_module(channels: int, seed: int = 0) -> SnakeBeta:
     gen = torch.Generator().manual_seed(seed)
     snake = SnakeBeta(channels)
+    snake.lib = native.library()
     with torch.no_grad():
         snake.alpha.copy_(torch.randn(channels, generator=gen) * 0.5)
         snake.beta.copy_(torch.randn(channels, generator=gen) * 0.5)
@@ -270,13 +271,13 @@ def test_snake_beta_is_as_accurate_as_pytorch(shape, monkeypatch):
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 4
     truth = snake_truth(x, snake.alpha, snake.beta)
     with torch.no_grad():
-        compiled = snake(x)
-        monkeypatch.setattr(native, "library", lambda: None)
+        native_out = snake(x)
+        monkeypatch.setattr(snake, "lib", None)
         eager = snake(x)
-    compiled_error = (compiled.double() - truth).abs().max().item()
+    native_error = (native_out.double() - truth).abs().max().item()
     eager_error = (eager.double() - truth).abs().max().item()
-    assert compiled_error <= 2 * eager_error + 1e-7, (compiled_error, eager_error)
-    assert compiled_error <= 2e-6 * x.abs().max().item()
+    assert native_error <= 2 * eager_error + 1e-7, (native_error, eager_error)
+    assert native_error <= 2e-6 * x.abs().max().item()
 
 
 def test_snake_beta_writes_only_its_window_and_takes_any_argument():
@@ -313,11 +314,11 @@ def test_without_the_library_snake_beta_runs_in_pytorch(monkeypatch):
     snake = snake_module(32, seed=6)
     x = torch.randn(2, 300, 32, generator=torch.Generator().manual_seed(7)) * 3
     with torch.no_grad():
-        compiled = snake(x)
-        monkeypatch.setattr(native, "library", lambda: None)
+        native_out = snake(x)
+        monkeypatch.setattr(snake, "lib", None)
         eager = snake(x)
         window = torch.zeros(2, 303, 32)
         snake(x, out=window[:, 3:])
-    assert not torch.equal(compiled, eager)  # two different sines...
-    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=2e-6)  # ...of the same accuracy
+    assert not torch.equal(native_out, eager)  # two different sines...
+    torch.testing.assert_close(native_out, eager, rtol=1e-6, atol=2e-6)  # ...of the same accuracy
     assert torch.equal(window[:, 3:], eager) and torch.all(window[:, :3] == 0)

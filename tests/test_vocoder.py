@@ -14,21 +14,14 @@ from hypothesis import strategies as st
 from reference import load_reference
 from safetensors.torch import save_file
 
+from kazeia import conv as conv_module
 from kazeia import native
-from kazeia import vocoder as vocoder_module
 from kazeia.checkpoint import assign
 from kazeia.config import CheckpointError, VocoderConfig
+from kazeia.conv import GEMM_MIN_WEIGHT_RATIO, POLYPHASE_MIN_POSITIONS, SnakeBeta, TimeMajorConv, TimeMajorTransConv
 from kazeia.layers import PackedLinear, can_pack
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
-from kazeia.vocoder import (
-    GEMM_MIN_WEIGHT_RATIO,
-    POLYPHASE_MIN_POSITIONS,
-    DecoderConv,
-    DecoderTransConv,
-    Vocoder,
-    VocoderState,
-    vocoder_tensors,
-)
+from kazeia.vocoder import Vocoder, vocoder_tensors
 
 FILES = pathlib.Path(__file__).resolve().parent.parent / "kazeia" / "reference_files"
 REAL_CONFIG = FILES / "Qwen3-TTS-12Hz-0.6B-CustomVoice" / "speech_tokenizer" / "config.json"
@@ -48,6 +41,7 @@ class Setup:
         with torch.device("meta"):
             self.vocoder = Vocoder(self.cfg)
         assign(self.vocoder, vocoder_tensors(self.tensors), where="random", device="cpu", dtype=torch.float32)
+        self.vocoder.prepare("cpu", torch.float32)  # as Vocoder.load leaves it
         self._reference = None
 
     @property
@@ -181,7 +175,7 @@ def test_load_from_released_layout(tiny: Setup, tmp_path):
     packed = [name for name, m in loaded.named_modules() if isinstance(m, PackedLinear)]
     assert len(packed) == (4 * tiny.cfg.num_layers + 2 + 2 * 2 if can_pack(torch.float32) else 0), packed
     # ...and the first block's transposed conv (4 inputs a frame: never polyphase) onto a packed weight
-    transposed = [m for m in loaded.modules() if isinstance(m, DecoderTransConv)]
+    transposed = [m for m in loaded.modules() if isinstance(m, TimeMajorTransConv)]
     assert [m.packed is not None for m in transposed] == [can_pack(torch.float32), False, False, False]
     assert max_diff(loaded(codes), tiny.vocoder(codes)) <= TOL
     assert max_diff(loaded(codes), tiny.reference_decode(codes)) <= TOL
@@ -222,14 +216,14 @@ def test_unbatched_codes_and_state_batch(tiny: Setup):
     "positions, packed", [(40, False), (POLYPHASE_MIN_POSITIONS + 44, False), (5, True), (300, True)]
 )
 def test_decoder_transposed_conv_is_conv_transpose1d(positions: int, packed: bool):
-    """Every way `DecoderTransConv` computes (overlap-add below POLYPHASE_MIN_POSITIONS inputs, one
+    """Every way `TimeMajorTransConv` computes (overlap-add below POLYPHASE_MIN_POSITIONS inputs, one
     polyphase conv from there, the product on a packed weight after `pack`) gives PyTorch's
     ConvTranspose1d, trimmed as the reference trims it, over the carried input and the new ones;
     the carried input moves on."""
     if packed and not can_pack(torch.float32):
         pytest.skip("no oneDNN packed matmul here")
     torch.manual_seed(0)
-    up = DecoderTransConv(12, 8, 6, 3)
+    up = TimeMajorTransConv(12, 8, 6, 3)
     up.slot = 0
     with torch.no_grad():
         up.conv.weight.copy_(torch.randn_like(up.conv.weight) / 4)
@@ -239,23 +233,26 @@ def test_decoder_transposed_conv_is_conv_transpose1d(positions: int, packed: boo
         up.pack()
         assert up.conv.weight is None and "conv.weight" not in up.state_dict()
     tail, x = torch.randn(1, up.keep, 12), torch.randn(1, positions, 12)  # time-major
-    state = VocoderState(tails=[tail.clone()], caches=[])
+    tails = [tail.clone()]
     with torch.no_grad():
-        got = up(x, state)
+        got = up(x, tails)
         full = F.conv_transpose1d(torch.cat((tail, x), 1).transpose(1, 2), weight, up.conv.bias, stride=3)
     expected = full[..., 3 * up.keep : 3 * (up.keep + positions)].transpose(1, 2)  # (1, 3L, 8)
     assert got.shape == (1, 3 * positions, 8)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(state.tails[0], x[:, -up.keep :])
+    assert torch.equal(tails[0], x[:, -up.keep :])
 
 
-def test_vocoder_without_the_compiled_library_matches_the_reference(tiny: Setup, monkeypatch):
+def test_vocoder_without_the_native_library_matches_the_reference(tiny: Setup, monkeypatch):
     codes = tiny.codes(1, 12, seed=9)
-    compiled = tiny.vocoder(codes)
-    monkeypatch.setattr(native, "library", lambda: None)  # SnakeBeta in PyTorch
+    snakes = [m for m in tiny.vocoder.modules() if isinstance(m, SnakeBeta)]
+    assert all(m.lib is native.library() for m in snakes)  # chosen once at load, for all alike
+    native_out = tiny.vocoder(codes)
+    for snake in snakes:
+        monkeypatch.setattr(snake, "lib", None)  # SnakeBeta in PyTorch
     eager = tiny.vocoder(codes)
     assert max_diff(eager, tiny.reference_decode(codes)) <= TOL
-    assert max_diff(eager, compiled) <= TOL
+    assert max_diff(eager, native_out) <= TOL
 
 
 def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setup, tmp_path):
@@ -264,10 +261,10 @@ def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setu
     (tmp_path / "config.json").write_text(json.dumps(tiny.config))
     save_file(tiny.tensors, str(tmp_path / "model.safetensors"))
     loaded = Vocoder.load(tmp_path)
-    convs = [m for m in loaded.modules() if isinstance(m, DecoderConv)]
+    convs = [m for m in loaded.modules() if isinstance(m, TimeMajorConv)]
     assert len(convs) == 2 + 3 * 2 * len(tiny.cfg.upsample_rates)
     for name, module in loaded.named_modules():
-        if isinstance(module, DecoderConv):
+        if isinstance(module, TimeMajorConv):
             weight = module.conv.weight
             assert weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last), name
             assert torch.equal(weight, tiny.tensors[f"decoder.{name}.conv.weight"]), name
@@ -275,11 +272,11 @@ def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setu
 
 @pytest.mark.parametrize("batch, positions", [(1, 2), (2, 1), (2, 300)])
 def test_decoder_conv_is_conv1d_as_product_or_conv(batch: int, positions: int, monkeypatch):
-    """`DecoderConv` gives PyTorch's causal Conv1d over the carried and new inputs, whether it runs
+    """`TimeMajorConv` gives PyTorch's causal Conv1d over the carried and new inputs, whether it runs
     as a matrix product (weight >= GEMM_MIN_WEIGHT_RATIO x input: the short calls here) or as a
     conv (the long one), with its weight stored as `store_for_reading` leaves it."""
     torch.manual_seed(1)
-    conv = DecoderConv(32, 256, 7, dilation=2)
+    conv = TimeMajorConv(32, 256, 7, dilation=2)
     conv.slot = 0
     with torch.no_grad():
         conv.conv.weight.copy_(torch.randn_like(conv.conv.weight) / 8)
@@ -288,14 +285,14 @@ def test_decoder_conv_is_conv1d_as_product_or_conv(batch: int, positions: int, m
     tail, x = torch.randn(batch, conv.keep, 32), torch.randn(batch, positions, 32)  # time-major
     as_product = conv.conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * (conv.keep + positions) * 32 * batch
     assert as_product == (positions < 100)
-    state = VocoderState(tails=[tail.clone()], caches=[])
+    tails = [tail.clone()]
     convs = []
     conv2d = F.conv2d
-    monkeypatch.setattr(vocoder_module.F, "conv2d", lambda *a, **k: convs.append(1) or conv2d(*a, **k))
+    monkeypatch.setattr(conv_module.F, "conv2d", lambda *a, **k: convs.append(1) or conv2d(*a, **k))
     with torch.no_grad():
-        got = conv(x, state)
+        got = conv(x, tails)
     assert len(convs) == (0 if as_product else 1)
     with torch.no_grad():
         expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), conv.conv.weight, conv.conv.bias, dilation=2)
     torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
-    assert torch.equal(state.tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])
+    assert torch.equal(tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])

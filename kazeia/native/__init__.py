@@ -1,13 +1,13 @@
-"""Compiled decode steps: one decoder-stack step at batch 1 with the glue between products in C;
-and the vocoder's SnakeBeta activation in one pass.
+"""Native code (C, built on this machine, called through ctypes): the decode step of a decoder
+stack at batch 1 with the glue between the products in C, and the vocoder's SnakeBeta in one pass.
 
 The matrix products stay with PyTorch (oneDNN / int8 GEMM modules); the norms, rotation, KV-cache
 write, attention and SiLU of each layer run as four calls into `decode.c` (int8 products add two
 more each, for their second activation row: see kazeia/quant.py); `vocoder.c` holds `snake_beta`
-(kazeia/vocoder.py). The system C compiler builds both into one library, once per machine, in
-`~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no compiler is found or the build
-fails, `library()` returns None with one warning and the eager code runs instead;
-`KAZEIA_NATIVE=0` turns this path off.
+(kazeia/conv.py). The system C compiler builds both into one library, once per machine and set of
+CPU features (kazeia/cpu.py), in `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no
+compiler is found or the build fails, `library()` returns None with one warning and the eager
+code runs instead; `KAZEIA_NATIVE=0` turns this path off. Callers choose once, at load.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled library for the enabled CPU features, or None (disabled, no compiler, build
+    """The native library for the enabled CPU features, or None (disabled, no compiler, build
     failure: warned once)."""
     if not enabled() or sys.platform == "win32":
         return None
@@ -144,7 +144,7 @@ def _library(options: tuple[str, ...]) -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build(options=options)))
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
-        what = "compiled decode steps and vocoder activation unavailable, using eager PyTorch"
+        what = "native decode steps and vocoder activation unavailable, using eager PyTorch"
         warnings.warn(f"kazeia: {what} ({err})", stacklevel=2)
         return None
     for name, (args, result) in SIGNATURES.items():

@@ -67,7 +67,6 @@ static inline float rnd(float v, int dt) {
 /* Address of element i of an array of dt values. */
 static inline void *at(const void *p, long i, int dt) { return (char *)p + i * (dt == F32 ? 4 : 2); }
 
-/* 1 / sqrt(mean(x^2) + eps) over n values (the RMSNorm factor, in float32). */
 /* sum of a[i] * b[i] in 16 interleaved partial sums (a form the compiler vectorizes as written). */
 static inline float dot(const float *a, const float *b, int n) {
     float part[16] = {0.0f}, sum = 0.0f;
@@ -79,6 +78,7 @@ static inline float dot(const float *a, const float *b, int n) {
     return sum;
 }
 
+/* 1 / sqrt(mean(x^2) + eps) over n values (the RMSNorm factor, in float32). */
 static float rms_factor(const float *x, int n, float eps) {
     return 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
 }

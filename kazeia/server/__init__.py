@@ -9,10 +9,24 @@ owns the engine; the event loop only parses and relays.
 
 from __future__ import annotations
 
-from .app import create_app
+from typing import TYPE_CHECKING
+
 from .config import Limits, ServerConfig
 
+if TYPE_CHECKING:
+    from .app import create_app
+
 __all__ = ["create_app", "serve", "Limits", "ServerConfig"]
+
+
+def __getattr__(name: str):
+    """`create_app` is imported on first use, so that the settings (`Limits`, `ServerConfig`) can
+    be read without the server extra installed (the CLI builds its flags from them)."""
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(name)
 
 
 def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
@@ -20,6 +34,8 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
     import logging
 
     import uvicorn
+
+    from .app import create_app
 
     app = create_app(engine, config)
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=log_level.upper())

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..streaming import ChunkSchedule
+
 DEFAULT_VOICES_DIR = "voices"  # relative to the working directory of the server
 
 
@@ -47,8 +49,8 @@ class ServerConfig:
 
     model_name: str  # the id `GET /v1/models` lists and a request's `model` must name
     queue_size: int = 16  # utterances waiting for the worker; one more is refused with 503
-    first_chunk_frames: int = 1  # frames in the first streamed chunk (80 ms each): latency
-    chunk_frames: int = 4  # frames in each later chunk: overhead per chunk
+    first_chunk_frames: int = ChunkSchedule.first  # frames in the first streamed chunk (80 ms each): latency
+    chunk_frames: int = ChunkSchedule.rest  # frames in each later chunk: overhead per chunk
     limits: Limits = field(default_factory=Limits)
     # Base checkpoints: where uploaded voices are kept (`NAME.voice`); created at start if missing.
     voices_dir: str | os.PathLike = DEFAULT_VOICES_DIR

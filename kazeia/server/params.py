@@ -41,8 +41,8 @@ CAPPED = {  # option -> the Limits field bounding it from above
 
 
 @dataclass(frozen=True)
-class SpeechRequest:
-    """A validated `POST /v1/audio/speech`."""
+class SpeechBody:
+    """The validated body of a `POST /v1/audio/speech`: the engine request and how to send its audio."""
 
     request: Request  # what the worker generates
     audio_format: AudioFormat  # how its audio is encoded
@@ -74,9 +74,9 @@ def json_object(raw: bytes, what: str = "request body") -> dict:
     return body
 
 
-def speech_request(
+def speech_body(
     body: dict, engine: Engine, config: ServerConfig, formats: dict[str, AudioFormat], voices: VoiceStore | None
-) -> SpeechRequest:
+) -> SpeechBody:
     _refuse_unknown(body, SPEECH_FIELDS)
     model = body.get("model")
     if model is not None and model != config.model_name:
@@ -97,7 +97,7 @@ def speech_request(
             param="stream_format",
         )
     options = session_options(body, engine, config.limits, voices, check=False)
-    return SpeechRequest(prepare(engine, text, options, voices, text_timeout=None), audio_format, stream_format)
+    return SpeechBody(prepare(engine, text, options, voices, text_timeout=None), audio_format, stream_format)
 
 
 def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceStore | None, check: bool = True) -> dict:
@@ -172,14 +172,21 @@ def _string(body: dict, name: str, max_chars: int, required: bool = False) -> st
         return None
     if not isinstance(value, str):
         raise ApiError(400, f"{name} must be a string, got {type(value).__name__}", param=name)
-    if len(value) > max_chars:
+    check_length(name, len(value), max_chars)
+    return value
+
+
+def check_length(param: str, length: int, limit: int, subject: str | None = None) -> None:
+    """The server's one "too long" rule: a text of `length` characters over `limit` is a 400
+    naming the field (`subject` describes it where the field name alone would not)."""
+    if length > limit:
+        what = f"{subject} would be" if subject else f"{param} is"
         raise ApiError(
             400,
-            f"{name} is {len(value)} characters long; this server accepts at most {max_chars}",
-            param=name,
+            f"{what} {length} characters long; this server accepts at most {limit}",
+            param=param,
             code="string_above_max_length",
         )
-    return value
 
 
 def _voice(value) -> str | None:

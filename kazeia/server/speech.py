@@ -19,7 +19,7 @@ from fastapi.responses import StreamingResponse
 
 from .errors import ApiError
 from .metrics import ServerMetrics
-from .params import json_object, read_body, speech_request
+from .params import json_object, read_body, speech_body
 from .state import server_state
 from .worker import Busy, Job, Outcome
 
@@ -32,7 +32,7 @@ async def speech(request: Request) -> StreamingResponse:
     s = server_state(request)
     s.metrics.requests.inc(route=ROUTE)
     body = json_object(await read_body(request, s.config.limits.max_body_bytes))
-    parsed = speech_request(body, s.engine, s.config, s.formats, s.voices)
+    parsed = speech_body(body, s.engine, s.config, s.formats, s.voices)
     encoder = parsed.audio_format.make()
     job = Job(parsed.request, encoder, asyncio.get_running_loop())
     try:

@@ -36,7 +36,7 @@ from ..live import TextFeed
 from ..request import Request
 from .errors import ApiError
 from .formats import Encoder
-from .params import json_object, prepare, session_options
+from .params import check_length, json_object, prepare, session_options
 from .state import ServerState, server_state
 from .worker import Busy, Job, Outcome
 
@@ -144,15 +144,13 @@ class _Session:
             self.open = utterance
         elif not isinstance(text, str):
             raise ApiError(400, "text must be a string", param="text")
-        elif utterance.over:
+        if utterance.over:
             return  # its audio has ended: the rest of its text is dropped (see the module docstring)
-        elif utterance.chars + len(text) > self.config.limits.max_input_chars:
-            limit = self.config.limits.max_input_chars
-            message = (
-                f"the text of utterance {utterance.number} would be {utterance.chars + len(text)} characters "
-                f"long; this server accepts at most {limit}"
-            )
-            await self.fail(utterance, ApiError(400, message, param="text", code="string_above_max_length"))
+        try:
+            total, subject = utterance.chars + len(text), f"the text of utterance {utterance.number}"
+            check_length("text", total, self.config.limits.max_input_chars, subject)
+        except ApiError as error:
+            await self.fail(utterance, error)
             return
         utterance.chars += len(text)
         utterance.feed.append(text)
@@ -194,14 +192,7 @@ class _Session:
     def _check_text(self, text, length: int) -> None:
         if not isinstance(text, str):
             raise ApiError(400, "text must be a string", param="text")
-        limit = self.config.limits.max_input_chars
-        if length > limit:
-            raise ApiError(
-                400,
-                f"text is {length} characters long; this server accepts at most {limit}",
-                param="text",
-                code="string_above_max_length",
-            )
+        check_length("text", length, self.config.limits.max_input_chars)
 
     def _admit(self) -> None:
         self.metrics.requests.inc(route=ROUTE)
