@@ -107,36 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     server, limits = _defaults(ServerConfig), _defaults(Limits)
     srv.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
-    srv.add_argument(
-        "--queue-size",
-        type=int,
-        default=server["queue_size"],
-        help="utterances waiting before 503 (default: %(default)s)",
-    )
-    srv.add_argument(
-        "--max-input-chars",
-        type=int,
-        default=limits["max_input_chars"],
-        help="longest input text (default: %(default)s)",
-    )
-    srv.add_argument(
-        "--max-new-tokens",
-        type=int,
-        default=limits["max_new_tokens"],
-        help="talker tokens per utterance at most (default: %(default)s)",
-    )
+    for flag, default, kind, help in (
+        ("--queue-size", server["queue_size"], int, "utterances waiting before 503"),
+        ("--max-input-chars", limits["max_input_chars"], int, "longest input text"),
+        ("--max-new-tokens", limits["max_new_tokens"], int, "talker tokens per utterance at most"),
+        (
+            "--voices-dir",
+            server["voices_dir"],
+            str,
+            "Base checkpoints: directory of the saved voices, created if missing",
+        ),
+        ("--text-timeout", server["text_timeout"], float, "seconds a live WebSocket text may pause before it fails"),
+    ):
+        srv.add_argument(flag, type=kind, default=default, help=f"{help} (default: %(default)s)")
     _chunk_args(srv, server["first_chunk_frames"], server["chunk_frames"])
-    srv.add_argument(
-        "--voices-dir",
-        default=server["voices_dir"],
-        help="Base checkpoints: directory of the saved voices, created if missing (default: ./%(default)s)",
-    )
-    srv.add_argument(
-        "--text-timeout",
-        type=float,
-        default=server["text_timeout"],
-        help="seconds a live WebSocket text may pause before its utterance fails (default: %(default)s)",
-    )
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     rnd = sub.add_parser("random-checkpoint", help="write a random-weight checkpoint (tests, demos, benchmarks)")

@@ -32,7 +32,7 @@ from .errors import RequestError
 from .live import live_trailing
 from .model import TTSModel
 from .prompt import Prompt, build_prompt, needs_whole_text
-from .request import Request, Rules, TextSource, build_request, ref_text_ids, validate_options
+from .request import Request, Rules, TextSource, build_request, ref_text_ids
 from .sampling import SamplingOptions
 from .streaming import ChunkSchedule, Metrics, SpeechStream
 from .text import TextTokenizer
@@ -277,21 +277,16 @@ class Engine:
         for `frames` or `stream_request`; raises RequestError on anything wrong. A text source
         (not a string) starts being read now."""
         return build_request(
-            self.rules, text, voice, language, instruct, seed, non_streaming_mode, text_timeout, **sampling
+            self.rules,
+            text,
+            text_timeout,
+            voice=voice,
+            language=language,
+            instruct=instruct,
+            seed=seed,
+            non_streaming_mode=non_streaming_mode,
+            **sampling,
         )
-
-    def validate_options(
-        self,
-        voice: str | os.PathLike | Voice | None = None,
-        language: str | None = None,
-        instruct: str | None = None,
-        seed: int | None = None,
-        non_streaming_mode: bool | None = None,
-        **sampling: bool | int | float | None,
-    ) -> Request:
-        """Check everything but the text (e.g. a server session's options before its first text):
-        the `Request` without text ids; raises RequestError on anything wrong."""
-        return validate_options(self.rules, voice, language, instruct, seed, non_streaming_mode, **sampling)
 
     def frames(self, request: Request, should_stop: Callable[[], bool] | None = None) -> Iterator[torch.Tensor]:
         """The frame generator for a validated request: yields (16,) int64 code frames. Live text

@@ -89,24 +89,15 @@ def validate_options(
     return Request((), cond, options, non_streaming_mode, seed)
 
 
-def build_request(
-    rules: Rules,
-    text: TextSource,
-    voice: str | os.PathLike | Voice | None = None,
-    language: str | None = None,
-    instruct: str | None = None,
-    seed: int | None = None,
-    non_streaming_mode: bool | None = None,
-    text_timeout: float | None = 30.0,
-    **sampling,
-) -> Request:
+def build_request(rules: Rules, text: TextSource, text_timeout: float | None = 30.0, **options) -> Request:
     """A whole text, or a source of text still arriving (an iterable or async iterable of deltas,
     or a `TextFeed`, read from now on; `text_timeout`: seconds it may stay idle, None for no limit;
-    its default layout is the one that reads the text while generating, `non_streaming_mode=False`)."""
+    its default layout is the one that reads the text while generating, `non_streaming_mode=False`),
+    with `options` as `validate_options` takes them."""
     if isinstance(text, str):
         if not text.strip():
             raise RequestError("text", "text is empty")
-        base = validate_options(rules, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        base = validate_options(rules, **options)
         ids = rules.tokenizer.assistant_ids(text)
         if not has_text(ids):
             raise RequestError("text", "text produced no tokens")
@@ -122,8 +113,9 @@ def build_request(
         raise RequestError(
             "text_timeout", f"text_timeout must be a number of seconds > 0 or None, got {text_timeout!r}"
         )
-    layout = False if non_streaming_mode is None else non_streaming_mode
-    base = validate_options(rules, voice, language, instruct, seed, layout, **sampling)
+    if options.get("non_streaming_mode") is None:
+        options["non_streaming_mode"] = False
+    base = validate_options(rules, **options)
     return replace(base, live=LiveText(rules.tokenizer, as_feed(text), text_timeout))  # starts reading it
 
 

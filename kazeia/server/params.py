@@ -18,7 +18,7 @@ from starlette.requests import Request as HttpRequest
 
 from ..engine import Engine
 from ..live import TextFeed
-from ..request import Request
+from ..request import Request, validate_options
 from ..sampling import SamplingOptions
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
@@ -104,9 +104,8 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
     """Voice and generation options (the keyword arguments of `Engine.request` but the text); the
     voice stays a name here (it is looked up when a text is accepted).
 
-    `check=True` also has the engine validate them (voice, language, option values:
-    `Engine.validate_options`), so that a WebSocket session is refused when it is set, not at its
-    first text.
+    `check=True` also validates them (voice, language, option values: `request.validate_options`),
+    so that a WebSocket session is refused when it is set, not at its first text.
     """
     if check:
         _refuse_unknown(body, SESSION_FIELDS)
@@ -117,7 +116,7 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
     options.setdefault("max_new_tokens", min(limits.max_new_tokens, engine.defaults.max_new_tokens))
     if check:
         resolved = {**options, "voice": resolve_voice(engine, options.get("voice"), voices)}
-        _engine_call(engine.validate_options, **resolved)
+        _engine_call(validate_options, engine.rules, **resolved)
     return options
 
 
