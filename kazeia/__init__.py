@@ -2,8 +2,18 @@
 
 from .config import CheckpointError
 from .engine import SAMPLE_RATE, Engine, Metrics, Speech
+from .errors import RequestError
 from .sampling import SamplingOptions
 from .voices import Voice
 
-__all__ = ["Engine", "Speech", "Metrics", "SamplingOptions", "Voice", "CheckpointError", "SAMPLE_RATE"]
+__all__ = [
+    "Engine",
+    "Speech",
+    "Metrics",
+    "SamplingOptions",
+    "Voice",
+    "CheckpointError",
+    "RequestError",
+    "SAMPLE_RATE",
+]
 __version__ = "0.1.0"

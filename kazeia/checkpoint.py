@@ -32,7 +32,13 @@ REQUIRED_FILES = (
 )
 
 # Weight precisions of the talker and code predictor; "int8" is quantized at load (kazeia/quant.py).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8"}
+# The precisions `Engine.load` takes by name; int8 is a quantization scheme, not a torch dtype.
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": "int8",
+}
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from typing_extensions import Unpack
 
 from . import cpu, generate
 from .audio import SAMPLE_RATE, load_reference_audio
@@ -33,7 +34,7 @@ from .live import live_trailing
 from .model import TTSModel
 from .prompt import Prompt, build_prompt, needs_whole_text
 from .request import Request, Rules, TextSource, build_request, ref_text_ids
-from .sampling import SamplingOptions
+from .sampling import SamplingKwargs, SamplingOptions
 from .streaming import ChunkSchedule, Metrics, SpeechStream
 from .text import TextTokenizer
 from .vocoder import Vocoder
@@ -109,8 +110,8 @@ class Engine:
             torch.set_num_threads(threads)
         torch_device = _device(device)
         weights, vocoder_weights = _dtype("dtype", dtype), _dtype("vocoder_dtype", vocoder_dtype)
-        if vocoder_weights == "int8":
-            raise ValueError("vocoder_dtype 'int8' is not supported; choose float32, bfloat16 or float16")
+        if not isinstance(vocoder_weights, torch.dtype):
+            raise ValueError(f"vocoder_dtype {vocoder_dtype!r} is not supported; choose float32, bfloat16 or float16")
         files = resolve(path_or_id, offline=offline)
         cfg = ModelConfig.from_file(files["config.json"])
         defaults = SamplingOptions.from_file(files["generation_config.json"])
@@ -178,7 +179,7 @@ class Engine:
         seed: int | None = None,
         non_streaming_mode: bool | None = None,
         reference_chunked_decode: bool = False,
-        **sampling: bool | int | float | None,
+        **sampling: Unpack[SamplingKwargs],
     ) -> Speech:
         """Synthesize `text`; `sampling` takes the `SamplingOptions` fields (reference names).
 
@@ -195,7 +196,8 @@ class Engine:
             raise RequestError("text", f"text must be a string, got {type(text).__name__}")
         start = time.perf_counter()
         request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
-        codes, prefill_s = [], 0.0
+        codes: list[torch.Tensor] = []
+        prefill_s = 0.0
         for frame in self.frames(request):
             if not codes:
                 prefill_s = time.perf_counter() - start
@@ -220,7 +222,7 @@ class Engine:
         chunk_frames: int = 4,
         text_timeout: float | None = 30.0,
         should_stop: Callable[[], bool] | None = None,
-        **sampling: bool | int | float | None,
+        **sampling: Unpack[SamplingKwargs],
     ) -> SpeechStream:
         """Like `synthesize`, but yields `AudioChunk`s while generating.
 
@@ -251,7 +253,8 @@ class Engine:
         started: float | None = None,
     ) -> SpeechStream:
         """`stream` for a request validated before (`request`), e.g. by a server when it was queued."""
-        state = self._priming.state(request.cond.voice) if request.cond.icl else None
+        ref = request.cond.reference_codes
+        state = None if ref is None else self._priming.state(ref)
         return SpeechStream(
             lambda stop: self.frames(request, _either(stop, should_stop)),
             self.vocoder,
@@ -271,7 +274,7 @@ class Engine:
         seed: int | None = None,
         non_streaming_mode: bool | None = None,
         text_timeout: float | None = 30.0,
-        **sampling: bool | int | float | None,
+        **sampling: Unpack[SamplingKwargs],
     ) -> Request:
         """Validate a call's arguments and resolve names to ids (kazeia/request.py): a `Request`
         for `frames` or `stream_request`; raises RequestError on anything wrong. A text source
@@ -322,8 +325,9 @@ class Engine:
 
     def _audio(self, codes: torch.Tensor, request: Request, reference_chunked: bool) -> np.ndarray:
         """The audio of generated codes (frames, 16): ICL voices continue their reference's audio."""
-        if request.cond.icl:
-            return self._priming.audio(request.cond.voice, codes, reference_chunked)
+        ref = request.cond.reference_codes
+        if ref is not None:
+            return self._priming.audio(ref, codes, reference_chunked)
         return self.decode(codes, reference_chunked=reference_chunked)
 
 

@@ -151,7 +151,7 @@ class LiveText:
         if item is _END:
             self.ended = True
             self._update(final=True)
-        elif item:
+        elif isinstance(item, str) and item:
             if self.first_text_at is None:
                 self.first_text_at = time.perf_counter()
             self.text += item

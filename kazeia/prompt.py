@@ -51,9 +51,14 @@ class Conditioning:
     ref_text_ids: tuple[int, ...] | None = None  # ICL voices: the reference transcript's tokens (no template ids)
 
     @property
+    def reference_codes(self) -> torch.Tensor | None:
+        """(frames, 16) an ICL voice's reference codes, which the talker continues (spec §5.3 d);
+        None for other voices."""
+        return None if self.voice is None else self.voice.ref_codes
+
+    @property
     def icl(self) -> bool:
-        """A cloned voice with its reference codes: the talker continues them (spec §5.3 d)."""
-        return self.voice is not None and self.voice.ref_codes is not None
+        return self.reference_codes is not None
 
 
 @dataclass
@@ -63,7 +68,7 @@ class Prompt:
     embeds: torch.Tensor  # (1, L, H) prefill vectors
     trailing: torch.Tensor  # (1, M, H) text-track vectors added to decode steps 0..M-1
     pad: torch.Tensor  # (1, 1, H) tts_pad text vector, added once the trailing track is used up
-    eos: torch.Tensor | None = None  # (1, 1, H) tts_eos text vector
+    eos: torch.Tensor  # (1, 1, H) tts_eos text vector
     # Live text (kazeia/live.py): step -> text vector, waiting for text to arrive; None = stop.
     text_source: Callable[[int], torch.Tensor | None] | None = None
 
@@ -162,9 +167,9 @@ def _icl(
     """
     eos, pad = eos_pad
     t, device = cfg.talker, text.device
-    ref = _ids(cond.ref_text_ids, device)
+    ref = _ids(_required(cond.ref_text_ids), device)
     text_track = torch.cat((talker.embed_text(torch.cat((ref, text), dim=1)), eos), dim=1)  # (1, T1, H)
-    codes = cond.voice.ref_codes.to(device)  # (T, 16)
+    codes = _required(cond.reference_codes).to(device)  # (T, 16)
     frames = frame_embedding(talker, predictor, codes).transpose(0, 1)  # (1, T, H)
     codec_track = torch.cat((talker.codec_embedding(_ids([t.codec_bos_id], device)), frames), dim=1)  # (1, T2, H)
     t1, t2 = text_track.shape[1], codec_track.shape[1]
@@ -174,3 +179,9 @@ def _icl(
     if t1 > t2:
         return text_track[:, :t2] + codec_track, text_track[:, t2:]
     return torch.cat((text_track, pad.expand(-1, t2 - t1, -1)), dim=1) + codec_track, pad
+
+
+def _required(value):
+    if value is None:
+        raise ValueError("an ICL prompt needs the voice's reference codes and transcript tokens")
+    return value

@@ -131,7 +131,7 @@ def _conditioning(rules: Rules, voice, language, instruct) -> Conditioning:
     t = rules.cfg.talker
     if rules.model_type == "base":
         clone, ref_ids, speaker = _cloned_voice(rules, voice), None, None
-        if clone.ref_codes is not None:
+        if clone.ref_text is not None:  # ICL (a Voice has both its codes and transcript, or neither)
             ref_ids = tuple(ref_text_ids(rules, clone.ref_text))
     else:
         clone, ref_ids, speaker = None, None, _speaker(rules, voice)
@@ -162,11 +162,13 @@ def _cloned_voice(rules: Rules, voice) -> Voice:
             raise RequestError("voice", str(e)) from None
     elif not isinstance(voice, Voice):
         raise RequestError("voice", f"voice must be a Voice or the path of a voice file, got {type(voice).__name__}")
-    if voice.model != rules.voice_model:
+    loaded = rules.voice_model
+    if loaded is None or voice.model != loaded:
+        theirs = loaded.describe() if loaded is not None else "a checkpoint without a speaker encoder"
         raise RequestError(
             "voice",
             f"this voice was made with {voice.model.describe()}, but this engine loaded "
-            f"{rules.voice_model.describe()}; create the voice again with this checkpoint",
+            f"{theirs}; create the voice again with this checkpoint",
         )
     codes, q, size = voice.ref_codes, rules.cfg.talker.num_code_groups, rules.codebook_size
     if codes is not None and (codes.shape[1] != q or int(codes.min()) < 0 or int(codes.max()) >= size):
@@ -205,7 +207,7 @@ def _instruct(rules: Rules, instruct) -> tuple[int, ...] | None:
         raise RequestError(
             "instruct", "the 0.6B CustomVoice checkpoint does not support instruct; use a 1.7B checkpoint"
         )
-    return tuple(rules.tokenizer.instruct_ids(instruct)) if given else None
+    return tuple(rules.tokenizer.instruct_ids(instruct)) if instruct is not None and given else None
 
 
 def _sampling(defaults: SamplingOptions, sampling: dict) -> SamplingOptions:

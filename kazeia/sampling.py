@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
+from typing_extensions import TypedDict
 
 from .config import CheckpointError, read_json
 from .errors import RequestError
@@ -76,6 +77,23 @@ class SamplingOptions:
             return cls(**{name: data[name] for name in cls.names() if name in data})
         except RequestError as e:
             raise CheckpointError(f"{path}: {e}") from None
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """The keyword arguments of `Engine.synthesize` / `stream` / `request` that set `SamplingOptions`
+    fields (None, or leaving one out: the checkpoint's default)."""
+
+    do_sample: bool | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    repetition_penalty: float | None
+    max_new_tokens: int | None
+    subtalker_dosample: bool | None
+    subtalker_temperature: float | None
+    subtalker_top_k: int | None
+    subtalker_top_p: float | None
+    ignore_eos: bool | None
 
 
 def _check(name: str, value, kind: type, ok, what: str) -> None:

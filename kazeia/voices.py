@@ -200,18 +200,19 @@ class Priming:
         self._entries: OrderedDict[bytes, Primed] = OrderedDict()
         self._lock = threading.Lock()
 
-    def state(self, voice: Voice) -> VocoderState:
-        """A fresh copy of the state after `voice`'s reference frames, to stream from."""
-        return copy_state(self._get(voice.ref_codes).state)
+    def state(self, ref: torch.Tensor) -> VocoderState:
+        """A fresh copy of the state after an ICL voice's reference codes `ref` (frames, 16), to
+        stream from."""
+        return copy_state(self._get(ref).state)
 
     @torch.inference_mode()
-    def audio(self, voice: Voice, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
-        """The audio of codes (frames, 16) generated after `voice`'s reference. Like the reference
+    def audio(self, ref: torch.Tensor, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
+        """The audio of codes (frames, 16) generated after reference codes `ref`. Like the reference
         package: the decode of reference + generated frames with the first `icl_cut(...)` samples
         dropped; computed as the generated frames decoded on the primed state, after the reference
         samples the cut keeps (0, or 1 by the reference's float rounding). `reference_chunked`: the
         reference's 300-frame restarts over the whole decode instead (comparisons only)."""
-        ref, per_frame = voice.ref_codes, self.vocoder.cfg.samples_per_frame
+        per_frame = self.vocoder.cfg.samples_per_frame
         device = self.vocoder.pre_conv.conv.weight.device
         total = ref.shape[0] + codes.shape[0]
         cut = icl_cut(ref.shape[0], total, total * per_frame)
