@@ -35,8 +35,9 @@ def main() -> None:
         with stream, sounddevice.OutputStream(samplerate=24000, channels=1, dtype="float32") as speaker:
             for chunk in stream:
                 speaker.write(chunk.audio)
-    m = stream.metrics
-    print(f"{m.audio_s:.2f} s of audio, first audio after {m.ttfb_s:.2f} s, RTF {m.rtf:.2f}")
+    m = stream.metrics  # set once the last chunk is out
+    if m is not None:
+        print(f"{m.audio_s:.2f} s of audio, first audio after {m.ttfb_s:.2f} s, RTF {m.rtf:.2f}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ from typing_extensions import TypedDict
 from .config import CheckpointError, read_json
 from .errors import RequestError
 
+# Where generation_config.json leaves a field out, the reference falls back to its own value, which
+# differs from the released files' for this one field (8192).
+FILE_FALLBACKS = {"max_new_tokens": 2048}
 MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two talker tokens
 CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, never sampled (except EOS)
 
@@ -30,15 +33,15 @@ def _option(default, help: str):
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """Generation options, named as in the reference's `generate_*` functions; the defaults are
-    the reference's fallbacks where a checkpoint's generation_config.json says nothing."""
+    """Generation options, named as in the reference's `generate_*` functions (the defaults are the
+    released generation_config.json's)."""
 
     do_sample: bool = _option(True, "talker: sample codebook 0 (False: greedy argmax)")
     temperature: float = _option(0.9, "talker logits are divided by this before top-k/top-p")
     top_k: int = _option(50, "keep the k most likely codebook-0 tokens (0: no limit)")
     top_p: float = _option(1.0, "nucleus: keep the smallest set with this probability mass (1.0: off)")
     repetition_penalty: float = _option(1.05, ">1 discourages repeating generated codebook-0 tokens (1.0: off)")
-    max_new_tokens: int = _option(2048, "talker tokens incl. the final EOS/cut-off one; frames <= this - 1")
+    max_new_tokens: int = _option(8192, "talker tokens incl. the final EOS/cut-off one; frames <= this - 1")
     subtalker_dosample: bool = _option(True, "code predictor: sample codebooks 1..15 (False: greedy)")
     subtalker_temperature: float = _option(0.9, "code predictor: temperature")
     subtalker_top_k: int = _option(50, "code predictor: top-k (0: no limit)")
@@ -71,8 +74,9 @@ class SamplingOptions:
     @classmethod
     def from_file(cls, path: Path) -> SamplingOptions:
         """A checkpoint's defaults: the fields its `generation_config.json` sets (other keys are the
-        file's own business), the reference's fallbacks (these fields' defaults) for the rest."""
-        data = read_json(path)
+        file's own business), the reference's fallbacks for the rest (FILE_FALLBACKS, else these
+        fields' defaults)."""
+        data = {**FILE_FALLBACKS, **read_json(path)}
         try:
             return cls(**{name: data[name] for name in cls.names() if name in data})
         except RequestError as e:

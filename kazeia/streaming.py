@@ -104,7 +104,8 @@ def _put(frames_out: queue.Queue, item, stop: threading.Event) -> bool:
 
 
 class SpeechStream:
-    """Iterator of `AudioChunk`s; `metrics` and `codes` are known once the last chunk is out."""
+    """Iterator of `AudioChunk`s; `metrics` and `codes` are set once the last chunk is out (None
+    before, and for a stream closed early)."""
 
     def __init__(
         self,
@@ -119,8 +120,8 @@ class SpeechStream:
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
         `live`: the stream's `LiveText` when its text is still arriving (for the metrics)."""
         self._live = live
-        self._metrics: Metrics | None = None
-        self._all_codes: np.ndarray | None = None
+        self.metrics: Metrics | None = None  # set once the last chunk is out
+        self.codes: np.ndarray | None = None  # (frames, 16) int64, set once the last chunk is out
         self._vocoder, self._schedule, self._seed, self._started = vocoder, schedule, seed, started
         self._state: VocoderState = vocoder.new_state() if state is None else state
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_FRAMES)
@@ -135,26 +136,6 @@ class SpeechStream:
         args = (make_frames, self._queue, self._stop, self._progress)
         self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
-
-    @property
-    def finished(self) -> bool:
-        """True once the last chunk is out (`metrics` and `codes` are then known)."""
-        return self._metrics is not None
-
-    @property
-    def metrics(self) -> Metrics:
-        """The stream's figures, once its last chunk is out; a RuntimeError before that (and for a
-        stream closed early, which has none)."""
-        if self._metrics is None:
-            raise RuntimeError("the stream's metrics are known once its last chunk is out")
-        return self._metrics
-
-    @property
-    def codes(self) -> np.ndarray:
-        """(frames, 16) int64, all the stream's codes, once its last chunk is out (as `metrics`)."""
-        if self._all_codes is None:
-            raise RuntimeError("the stream's codes are known once its last chunk is out")
-        return self._all_codes
 
     @property
     def frames_generated(self) -> int:
@@ -222,7 +203,7 @@ class SpeechStream:
         wall = time.perf_counter() - self._started
         audio_s = self._samples / self._vocoder.cfg.sample_rate
         prefill = (self._progress.first_frame_at or self._started) - self._started
-        self._all_codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
+        self.codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
         rtf = wall / audio_s if audio_s else float("inf")
         live = {}
         if self._live is not None:
@@ -230,7 +211,7 @@ class SpeechStream:
             delay = None if first_text is None else self._first_audio_at - first_text
             live = {"text_wait_frames": self._live.waits, "first_text_to_audio_s": delay}
         ttfb = wall if self._ttfb is None else self._ttfb
-        self._metrics = Metrics(len(self._codes), audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live)
+        self.metrics = Metrics(len(self._codes), audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live)
         self.close()
 
     def close(self) -> None:

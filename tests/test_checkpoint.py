@@ -200,3 +200,20 @@ def test_committed_reference_files_are_complete():
         for f in ["config.json", "generation_config.json", "tokenizer_config.json", "speech_tokenizer/config.json"]:
             assert (FILES / name / f).is_file()
     assert (FILES / "text-tokenizer" / "vocab.json").stat().st_size > 2_000_000
+
+
+def test_generation_config_gives_the_defaults_and_the_reference_fallbacks(checkpoint_copy):
+    """Fields the file sets are the defaults; a field it leaves out falls back as in the reference
+    (max_new_tokens: 2048, not the released files' 8192); a bad value names the file."""
+    path = checkpoint_copy / "generation_config.json"
+    config = json.loads(path.read_text())
+    config.pop("max_new_tokens")
+    config["top_k"] = 7
+    config["unrelated_key"] = "the file's own business"
+    path.write_text(json.dumps(config))
+    defaults = Engine.load(checkpoint_copy).defaults
+    assert defaults.max_new_tokens == 2048 and defaults.top_k == 7
+    config["temperature"] = "hot"
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="generation_config.json.*temperature"):
+        Engine.load(checkpoint_copy)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kazeia import Engine, SamplingOptions
+from kazeia import Engine, RequestError, SamplingOptions
 
 SHORT = dict(max_new_tokens=12)
 
@@ -128,13 +128,19 @@ BAD_INPUTS = [
 ]
 
 
+# The argument each refusal is about: the one the case sets, but for the VoiceDesign cases.
+FIELDS = {"need instruct=": "instruct", "have no preset voices": "voice"}
+
+
 @pytest.mark.parametrize("name,kwargs,message", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
 def test_bad_input_is_a_clear_value_error(engines, name, kwargs, message):
     call = dict(text="Hello.", voice="serena", **SHORT)
     call.update(kwargs)
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(RequestError) as err:  # a ValueError that names its argument
         engines[name].synthesize(**call)
-    assert message in str(err.value)
+    assert isinstance(err.value, ValueError) and message in str(err.value)
+    field = next((f for key, f in FIELDS.items() if key in message), next(iter(kwargs)))
+    assert err.value.field == field
 
 
 def test_bad_load_options(tiny_checkpoints):
