@@ -2,6 +2,7 @@
 
     python benchmarks/bench.py [--size 0.6B] [--dtypes float32,bfloat16,int8] [--frames 50]
                                [--threads N] [--repeats 3] [--reference] [--json out.json]
+                               [--contend N] [--long-seconds 20]
 
 A configuration in `--dtypes` is the weights' dtype, optionally with the vocoder's after a slash
 (`bfloat16/bfloat16`; float32 otherwise).
@@ -14,6 +15,13 @@ same frames' matrix products run back to back in the same process, with the engi
 kernels and shapes and nothing in between (as many frames as generation, timed between the
 generation runs, so both see the same machine). The floor divided into the frame's weight bytes is
 the GEMV bandwidth it reached.
+
+Also per configuration: the first synthesis after loading against the steady one (`1st/steady`),
+and a long stream (`--long-seconds`) played as a player would, from its first chunk with 160 ms
+buffered: the longest wait with nothing to play (`long dry s`, 0 = real time throughout) and its
+RTF. `--contend N` keeps N busy processes (a pure-Python spin each) running through every run: the
+machine an assistant shares with its LLM. `--threads N` is passed to `Engine.load` (threads per
+stage); by default the engine chooses.
 """
 
 from __future__ import annotations
@@ -90,14 +98,31 @@ class StepTimes:
                 setattr(generate, name, fn)
 
 
-def run_kazeia(path: Path, dtype: str, frames: int, repeats: int) -> dict:
+def continuity(stream, buffer_s: float = 0.16) -> float:
+    """Play `stream` as a player would: start when the first chunk has come and `buffer_s` of audio
+    is known to be buffered ahead, then in real time. -> the longest time (s) the player would have
+    waited with nothing to play (0.0: it never ran dry)."""
+    start, played, worst = None, 0.0, 0.0  # played: seconds of audio the clock has reached
+    for chunk in stream:
+        now = time.perf_counter()
+        if start is None:
+            start = now + buffer_s
+        due = start + played  # when this chunk's first sample must play
+        worst = max(worst, now - due)
+        if now > due:  # ran dry: playback resumes now
+            start += now - due
+        played += len(chunk.audio) / 24000
+    return worst
+
+
+def run_kazeia(path: Path, dtype: str, frames: int, repeats: int, threads: int | None, long_frames: int) -> dict:
     from kazeia import Engine
 
     start = time.perf_counter()
-    engine = Engine.load(path, **precisions(dtype))
+    engine = Engine.load(path, **precisions(dtype), threads=threads)
     load_s = time.perf_counter() - start
     options = dict(voice=VOICE, language=LANGUAGE, do_sample=False, subtalker_dosample=False, ignore_eos=True)
-    engine.synthesize(TEXT, max_new_tokens=3, **options)  # warm-up
+    first_call_s = engine.synthesize(TEXT, max_new_tokens=frames + 1, **options).metrics.wall_s  # the first
     # Each timing is the best of `repeats` runs: on a shared machine, noise only ever adds time.
     best, floor_s = None, float("inf")
     products_only(engine, 1)  # warm-up
@@ -125,9 +150,16 @@ def run_kazeia(path: Path, dtype: str, frames: int, repeats: int) -> dict:
     for _ in stream:
         pass
     assert offline.metrics.frames == stream.metrics.frames == frames
+    long = engine.stream(TEXT, max_new_tokens=long_frames + 1, **options) if long_frames else None
+    dry_s = continuity(long) if long is not None else None
     reads = weight_reads(engine)
     return {
         "load_s": load_s,
+        "first_call_s": first_call_s,
+        "first_over_steady": first_call_s / offline.metrics.wall_s,
+        "threads": torch.get_num_threads(),
+        "long_dry_s": dry_s,  # longest wait of a real-time player (160 ms buffer) over the long stream
+        "long_rtf": long.metrics.rtf if long is not None else None,
         "prefill_s": seconds["prefill"],  # the talker over the prompt and the first codebook-0 token
         "talker_ms": 1000 * seconds["decode_frame"] / frames,  # next input, talker step, head, sampling
         "predictor_ms": 1000 * seconds["predict_codes"] / frames,  # 15 steps with sampling
@@ -259,7 +291,22 @@ def run_reference(path: Path, dtype: str, frames: int, repeats: int) -> dict:
 
 
 # -- orchestration -------------------------------------------------------------------------------
-def spawn(kind: str, path: Path, dtype: str, frames: int, threads: int | None, repeats: int) -> dict:
+@contextlib.contextmanager
+def competing(count: int):
+    """`count` busy processes (a pure-Python spin each) running for the duration: a neighbour
+    that takes a core whenever the scheduler lets it."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+
+
+def spawn(
+    kind: str, path: Path, dtype: str, frames: int, threads: int | None, repeats: int, long_frames: int = 0
+) -> dict:
     cmd = [
         sys.executable,
         __file__,
@@ -273,7 +320,11 @@ def spawn(kind: str, path: Path, dtype: str, frames: int, threads: int | None, r
         str(frames),
         "--repeats",
         str(repeats),
+        "--long-frames",
+        str(long_frames),
     ]
+    if threads:
+        cmd += ["--threads", str(threads)]
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -282,6 +333,11 @@ def spawn(kind: str, path: Path, dtype: str, frames: int, threads: int | None, r
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def results_threads(results: dict) -> str:
+    values = sorted({r["threads"] for r in results.values() if "threads" in r})
+    return "/".join(map(str, values)) or "-"
 
 
 def report(results: dict, bandwidth: dict, args) -> None:
@@ -298,10 +354,14 @@ def report(results: dict, bandwidth: dict, args) -> None:
         ("rtf", "RTF"),
         ("peak_rss_gb", "peak RSS GB"),
         ("load_s", "load s"),
+        ("first_over_steady", "1st/steady"),
+        ("long_dry_s", "long dry s"),
+        ("long_rtf", "long RTF"),
     ]
     print(
         f"\n{args.size} CustomVoice (real dimensions, random weights), {args.frames} frames, greedy, "
-        f"{torch.get_num_threads()} threads; machine: {json.dumps(machine())}"
+        f"threads per stage {results_threads(results)}, {args.contend} competing busy processes; "
+        f"machine: {json.dumps(machine())}"
     )
     print(
         "GEMV bandwidth of the floor runs (GB/s of weight bytes, the engine's kernels): "
@@ -344,6 +404,16 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also run qwen-tts 0.1.1 (float32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure; the best is kept (default 3)")
     parser.add_argument("--json", help="write all figures to this file")
+    parser.add_argument(
+        "--contend", type=int, default=0, help="busy processes competing for the CPU during every run (default 0)"
+    )
+    parser.add_argument(
+        "--long-seconds",
+        type=float,
+        default=20.0,
+        help="also stream an utterance this long and report whether real-time playback ran dry (0: skip)",
+    )
+    parser.add_argument("--long-frames", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["kazeia", "reference"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -351,18 +421,26 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.worker:
-        run = run_kazeia if args.worker == "kazeia" else run_reference
-        print(json.dumps(run(Path(args.checkpoint), args.dtype, args.frames, args.repeats)))
+        checkpoint = Path(args.checkpoint)
+        if args.worker == "kazeia":
+            figures = run_kazeia(checkpoint, args.dtype, args.frames, args.repeats, args.threads, args.long_frames)
+        else:
+            figures = run_reference(checkpoint, args.dtype, args.frames, args.repeats)
+        print(json.dumps(figures))
         return
 
     path = real_checkpoint(args.size)
     dtypes = args.dtypes.split(",")
     results = {}
-    for dtype in dtypes:
-        results[f"kazeia {dtype}"] = spawn("kazeia", path, dtype, args.frames, args.threads, args.repeats)
+    long_frames = round(args.long_seconds * 12.5)
+    with competing(args.contend):
+        for dtype in dtypes:
+            results[f"kazeia {dtype}"] = spawn(
+                "kazeia", path, dtype, args.frames, args.threads, args.repeats, long_frames
+            )
+        if args.reference:
+            results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads, args.repeats)
     bandwidth = {d: r["gemv_gbps"] for d, r in zip(dtypes, results.values(), strict=True) if "gemv_gbps" in r}
-    if args.reference:
-        results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads, args.repeats)
     report(results, bandwidth, args)
     if args.json:
         payload = {

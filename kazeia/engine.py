@@ -37,7 +37,7 @@ from .request import Request, Rules, TextSource, build_request, ref_text_ids
 from .sampling import SamplingKwargs, SamplingOptions
 from .streaming import ChunkSchedule, Metrics, SpeechStream
 from .text import TextTokenizer
-from .vocoder import Vocoder
+from .vocoder import OFFLINE_BLOCK, Vocoder
 from .voices import Cloner, Priming, Voice
 
 
@@ -100,15 +100,18 @@ class Engine:
             (BENCHMARKS.md); elsewhere half precision is slower.
         tokenizer_regex: "qwen2" (standard) or "reference-local" (the split regex the reference
             package uses when it loads from a local directory; see kazeia/text.py).
-        threads: CPU threads for torch's kernels (process-wide: `torch.set_num_threads`). Default:
-            torch's choice, one per physical core, which is what batch-1 generation wants.
+        threads: torch threads for each of the two stages that run side by side, generation and
+            the vocoder, each in a thread of its own (process-wide: `torch.set_num_threads`).
+            Default on the CPU: half the cores this process may use, at least 1 (`stage_threads`),
+            so the stages never share a core and batch-1 generation, hundreds of small parallel
+            regions a frame, never waits at a barrier for a thread that is not running.
         """
         cpu.enabled()  # a KAZEIA_ISA that cannot be honoured fails here, naming itself
-        if threads is not None:
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-                raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
-            torch.set_num_threads(threads)
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         torch_device = _device(device)
+        if threads is not None or torch_device.type == "cpu":
+            torch.set_num_threads(threads or stage_threads())
         weights, vocoder_weights = _dtype("dtype", dtype), _dtype("vocoder_dtype", vocoder_dtype)
         if not isinstance(vocoder_weights, torch.dtype):
             raise ValueError(f"vocoder_dtype {vocoder_dtype!r} is not supported; choose float32, bfloat16 or float16")
@@ -183,9 +186,12 @@ class Engine:
     ) -> Speech:
         """Synthesize `text`; `sampling` takes the `SamplingOptions` fields (reference names).
 
-        The audio is one exact causal decode of all codes. `reference_chunked_decode=True` instead
-        reproduces the reference's decode, which restarts every 300 frames (24 s) from 25 frames of
-        context: identical up to 300 frames, an approximation after (for comparisons only).
+        The audio is one exact causal decode of all codes, made side by side with the generation:
+        the vocoder decodes each block of OFFLINE_BLOCK frames in this thread while the next ones
+        are generated in another (the blocks of `Vocoder.forward`, so the same audio).
+        `reference_chunked_decode=True` instead reproduces the reference's decode, which restarts
+        every 300 frames (24 s) from 25 frames of context: identical up to 300 frames, an
+        approximation after (for comparisons only), made once all frames are generated.
         """
         if not isinstance(reference_chunked_decode, bool):
             raise RequestError(
@@ -196,19 +202,32 @@ class Engine:
             raise RequestError("text", f"text must be a string, got {type(text).__name__}")
         start = time.perf_counter()
         request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
-        codes: list[torch.Tensor] = []
-        prefill_s = 0.0
-        for frame in self.frames(request):
-            if not codes:
-                prefill_s = time.perf_counter() - start
-            codes.append(frame)
-        code_matrix = torch.stack(codes)  # (frames, 16)
-        audio = self._audio(code_matrix, request, reference_chunked_decode)
+        ref = request.cond.reference_codes
+        if reference_chunked_decode:  # all frames first, then the reference's decode
+            frames: list[torch.Tensor] = []
+            for frame in self.frames(request):
+                frames.append(frame)
+                if len(frames) == 1:
+                    prefill_s = time.perf_counter() - start
+            codes = torch.stack(frames)
+            if ref is None:
+                audio = self.decode(codes, reference_chunked=True)
+            else:
+                audio = self._priming.reference_chunked(ref, codes)
+        else:
+            blocks = ChunkSchedule(OFFLINE_BLOCK, OFFLINE_BLOCK)
+            with self.stream_request(request, blocks, started=start) as stream:
+                pieces = [chunk.audio for chunk in stream]
+            assert stream.metrics is not None and stream.codes is not None  # the last chunk is out
+            codes, prefill_s = torch.from_numpy(stream.codes), stream.metrics.prefill_s
+            if ref is not None:  # the reference samples the reference package's cut keeps, if any
+                pieces.insert(0, self._priming.lead(ref, codes.shape[0]))
+            audio = np.concatenate(pieces).astype(np.float32, copy=False)
         wall = time.perf_counter() - start
         rate = self.vocoder.cfg.sample_rate
         audio_s = len(audio) / rate
-        metrics = Metrics(len(codes), audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed)
-        return Speech(audio, rate, code_matrix.cpu().numpy(), metrics)
+        metrics = Metrics(codes.shape[0], audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed)
+        return Speech(audio, rate, codes.cpu().numpy(), metrics)
 
     def stream(
         self,
@@ -323,12 +342,14 @@ class Engine:
         audio = self.vocoder.decode_reference_chunked(codes) if reference_chunked else self.vocoder(codes)
         return audio[0].float().cpu().numpy().astype(np.float32, copy=False)
 
-    def _audio(self, codes: torch.Tensor, request: Request, reference_chunked: bool) -> np.ndarray:
-        """The audio of generated codes (frames, 16): ICL voices continue their reference's audio."""
-        ref = request.cond.reference_codes
-        if ref is not None:
-            return self._priming.audio(ref, codes, reference_chunked)
-        return self.decode(codes, reference_chunked=reference_chunked)
+
+def stage_threads() -> int:
+    """torch threads per stage by default: half the CPUs this process may run on, at least one."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        usable = os.cpu_count() or 1
+    return max(1, usable // 2)
 
 
 def _either(a: Callable[[], bool] | None, b: Callable[[], bool] | None) -> Callable[[], bool] | None:

@@ -4,7 +4,7 @@ Scope: `Voice` (an x-vector, plus the reference's codes and transcript in ICL mo
 identity of the checkpoint it was made for), its file format (one safetensors file whose metadata
 holds the JSON fields), `Cloner` (the two encoders of a Base checkpoint: reference audio -> codes
 and x-vector) and `Priming` (the vocoder state after the reference frames, cached per voice, which
-ICL audio continues from, and the splice of that audio as the reference package cuts it).
+ICL audio continues from, and the reference samples the reference package's cut keeps before it).
 Non-goals: prompt layouts (prompt.py), audio file decoding (audio.py).
 """
 
@@ -205,24 +205,25 @@ class Priming:
         stream from."""
         return copy_state(self._get(ref).state)
 
-    @torch.inference_mode()
-    def audio(self, ref: torch.Tensor, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
-        """The audio of codes (frames, 16) generated after reference codes `ref`. Like the reference
-        package: the decode of reference + generated frames with the first `icl_cut(...)` samples
-        dropped; computed as the generated frames decoded on the primed state, after the reference
-        samples the cut keeps (0, or 1 by the reference's float rounding). `reference_chunked`: the
-        reference's 300-frame restarts over the whole decode instead (comparisons only)."""
+    def lead(self, ref: torch.Tensor, generated: int) -> np.ndarray:
+        """The reference samples that come before the audio of `generated` frames made after the
+        reference codes `ref` (frames, 16). The reference package decodes reference + generated
+        frames and drops the first `icl_cut(...)` samples, which keeps 0 samples of the reference,
+        or 1 by its float rounding; the generated frames' own audio is their decode on `state(ref)`."""
         per_frame = self.vocoder.cfg.samples_per_frame
-        device = self.vocoder.pre_conv.conv.weight.device
+        total = ref.shape[0] + generated
+        kept = ref.shape[0] * per_frame - icl_cut(ref.shape[0], total, total * per_frame)
+        tail = self._get(ref).tail
+        return tail[len(tail) - kept :]
+
+    @torch.inference_mode()
+    def reference_chunked(self, ref: torch.Tensor, codes: torch.Tensor) -> np.ndarray:
+        """The reference package's own decode of an ICL result, for comparisons: reference + generated
+        frames with its 300-frame restarts, the first `icl_cut(...)` samples dropped."""
+        per_frame = self.vocoder.cfg.samples_per_frame
         total = ref.shape[0] + codes.shape[0]
-        cut = icl_cut(ref.shape[0], total, total * per_frame)
-        if reference_chunked:
-            both = torch.cat((ref, codes.cpu())).to(device)
-            return _numpy(self.vocoder.decode_reference_chunked(both))[cut:]
-        primed = self._get(ref)
-        kept = ref.shape[0] * per_frame - cut  # reference samples left in front of the generated audio
-        audio = _numpy(self.vocoder.decode_blocks(codes.to(device)[None], copy_state(primed.state))[0])
-        return np.concatenate((primed.tail[len(primed.tail) - kept :], audio))
+        both = torch.cat((ref, codes.cpu())).to(self.vocoder.pre_conv.conv.weight.device)
+        return _numpy(self.vocoder.decode_reference_chunked(both))[icl_cut(ref.shape[0], total, total * per_frame) :]
 
     @torch.inference_mode()
     def _get(self, ref_codes: torch.Tensor) -> Primed:

@@ -1,5 +1,6 @@
 """Engine behaviour on tiny random checkpoints: determinism, independence, options, bad input."""
 
+import os
 import random
 
 import numpy as np
@@ -151,3 +152,27 @@ def test_bad_load_options(tiny_checkpoints):
         Engine.load(path, device="gpu-please")
     with pytest.raises(ValueError, match="choose"):
         Engine.load(path, tokenizer_regex="perl")
+
+
+def test_offline_audio_is_one_decode_of_the_codes_made_beside_generation(engines):
+    """synthesize decodes blocks while the next frames are generated; the audio is exactly the
+    offline decode of all its codes (the same blocks on the same state), and the same bytes again."""
+    engine = engines["0.6B-custom"]
+    options = dict(voice="serena", seed=11, max_new_tokens=70)  # > 2 vocoder blocks of 32 frames
+    speech = engine.synthesize("Side by side, the same audio.", **options)
+    assert speech.codes.shape[0] > 64
+    np.testing.assert_array_equal(speech.audio, engine.decode(torch.from_numpy(speech.codes)))
+    again = engine.synthesize("Side by side, the same audio.", **options)
+    assert again.audio.tobytes() == speech.audio.tobytes()
+
+
+def test_each_stage_gets_half_the_cores_by_default(tiny_checkpoints):
+    from kazeia.engine import stage_threads
+
+    try:
+        Engine.load(tiny_checkpoints["0.6B-custom"])
+        assert torch.get_num_threads() == stage_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+        Engine.load(tiny_checkpoints["0.6B-custom"], threads=3)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(stage_threads())
