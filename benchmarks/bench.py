@@ -183,9 +183,10 @@ def _products(engine) -> tuple[list, list, list]:
     from torch import nn
 
     from kazeia.layers import PackedLinear
+    from kazeia.native.linear import NativeLinear
     from kazeia.quant import QuantLinear
 
-    kinds = (nn.Linear, PackedLinear, QuantLinear)
+    kinds = (nn.Linear, PackedLinear, NativeLinear, QuantLinear)
     talker, predictor = engine.model.talker, engine.model.code_predictor
     per_frame = [m for m in talker.layers.modules() if isinstance(m, kinds)] + [talker.codec_head]
     per_group = [m for m in predictor.layers.modules() if isinstance(m, kinds)]

@@ -171,7 +171,7 @@ def compiler_flags(features: frozenset[str]) -> tuple[str, ...]:
     has is on, else exactly the chosen instruction sets over the x86-64 baseline."""
     if not _x86():
         return () if os.environ.get(ENV, "").strip().lower() == "portable" else ("-march=native",)
-    c_features = {"avx2", "avx512"}
+    c_features = {"avx2", "avx512", "bf16"}
     if features & c_features == detected() & c_features:
         return ("-march=native",)
     flags = ["-march=x86-64", "-mtune=generic"]
@@ -179,6 +179,8 @@ def compiler_flags(features: frozenset[str]) -> tuple[str, ...]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if "avx512" in features:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"]
+        if "bf16" in features and "avx512_bf16" in (_cpu_flags() or ()):
+            flags.append("-mavx512bf16")  # the native products' bfloat16 pair dot product
     return tuple(flags)
 
 

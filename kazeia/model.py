@@ -17,7 +17,8 @@ from . import native
 from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
-from .layers import can_pack, fuse_projections, pack_linears
+from .layers import can_pack, fuse_projections, pack_linears, replace_linears
+from .native import linear as native_linear
 from .quant import QuantEmbedding, int8_supported, quantize_linears
 from .talker import Talker
 
@@ -79,6 +80,9 @@ class TTSModel(nn.Module):
             quantize_linears(self, lib, after_each=release_freed_memory)
             self.talker.text_embedding = QuantEmbedding.from_float_chunked(self.talker.text_embedding.weight)
             self.float()
+        elif cpu and native_linear.usable(lib, dtype):
+            # Products: the native single-threaded GEMV, for one thread per stage (kazeia/engine.py).
+            replace_linears(self, native_linear.converter(lib), after_each=release_freed_memory)
         elif cpu and can_pack(dtype):
             # Products: oneDNN's packed batch-1 matmul (reads weights faster than the stock kernel).
             pack_linears(self, after_each=release_freed_memory)

@@ -13,12 +13,22 @@ from torch import nn
 
 from kazeia import Engine, native
 from kazeia.conv import SnakeBeta
-from kazeia.layers import Block, KVCache, RMSNorm, Rotary, can_pack, fuse_projections, pack_linears
+from kazeia.layers import Block, KVCache, RMSNorm, Rotary, can_pack, fuse_projections, pack_linears, replace_linears
+from kazeia.native import linear as native_linear
 from kazeia.quant import QuantLinear, int8_supported, quantize_linears
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the eager path runs")
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, INNER = 48, 6, 2, 16, 96
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def native_gemv(dtype: torch.dtype) -> bool:
+    """Whether this build has the native vector GEMV for `dtype` (what the engine would use)."""
+    lib = native.library()
+    if lib is None or lib.gemv_vector_bits() == 0:
+        return False
+    return dtype != torch.float16 or bool(lib.has_float16())
 
 
 def make_stack(dtype: torch.dtype, linears: str, seed: int = 0):
@@ -36,6 +46,8 @@ def make_stack(dtype: torch.dtype, linears: str, seed: int = 0):
     exact = copy.deepcopy(layers).double(), copy.deepcopy(norm).double()
     if linears == "packed":
         pack_linears(layers)
+    elif linears == "native":
+        replace_linears(layers, native_linear.converter(native.library()))
     elif linears == "int8":
         quantize_linears(layers, native.library())
         exact_linears = dict(exact[0].named_modules())
@@ -62,12 +74,14 @@ def rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def stack_cases():
     """Every linear kind the engine can build here for each dtype, and what is skipped and why."""
-    cases = [(torch.float32, "plain"), (torch.float32, "packed"), (torch.float32, "int8")]
-    cases += [(dtype, kind) for dtype in (torch.bfloat16, torch.float16) for kind in ("plain", "packed")]
+    cases = [(torch.float32, "int8")]
+    cases += [(dtype, kind) for dtype in DTYPES for kind in ("plain", "packed", "native")]
     for dtype, kind in cases:
         why = None
         if kind == "packed" and not can_pack(dtype):
             why = f"no oneDNN packed {dtype} matmul on this CPU (or KAZEIA_ISA)"
+        elif kind == "native" and not native_gemv(dtype):
+            why = f"no vector native {dtype} product in this build (portable, or no _Float16)"
         elif kind == "int8" and int8_supported() is not None:
             why = int8_supported()
         marks = [pytest.mark.skip(reason=why)] if why else []
@@ -192,8 +206,9 @@ def test_where_the_native_step_does_not_apply():
 
 
 def test_the_step_is_chosen_when_the_model_is_loaded(tiny_checkpoints, monkeypatch):
-    """Where the model is built (TTSModel.prepare): the native step for both stacks and int8
-    products that use the library, or the eager layers and products without it."""
+    """Where the model is built (TTSModel.prepare): the native step for both stacks, int8 products
+    that use the library and, with one torch thread per stage, the native GEMV for float products;
+    or the eager layers and stock or oneDNN products without it. (Each load sets the threads.)"""
     path = tiny_checkpoints["0.6B-custom"]
     model = Engine.load(path).model
     for stack in (model.talker, model.code_predictor):
@@ -201,9 +216,15 @@ def test_the_step_is_chosen_when_the_model_is_loaded(tiny_checkpoints, monkeypat
     if int8_supported() is None:
         quantized = Engine.load(path, dtype="int8").model
         assert all(m.native is not None for m in quantized.modules() if isinstance(m, QuantLinear))
+    products = {type(m).__name__ for m in model.talker.layers.modules() if hasattr(m, "in_features")}
+    if native_gemv(torch.float32) and torch.get_num_threads() == 1:  # one thread per stage: the GEMV
+        assert products == {"NativeLinear"}
+    multi = Engine.load(path, threads=2).model  # more threads: oneDNN's products (or the stock ones)
+    assert not any(isinstance(m, native_linear.NativeLinear) for m in multi.modules())
     monkeypatch.setenv("KAZEIA_NATIVE", "0")
     eager = Engine.load(path).model
     assert eager.talker.native_step is None and eager.code_predictor.native_step is None
+    assert not any(isinstance(m, native_linear.NativeLinear) for m in eager.modules())
 
 
 def test_a_new_build_removes_builds_unused_for_a_month(tmp_path):
@@ -322,3 +343,30 @@ def test_without_the_library_snake_beta_runs_in_pytorch(monkeypatch):
     assert not torch.equal(native_out, eager)  # two different sines...
     torch.testing.assert_close(native_out, eager, rtol=1e-6, atol=2e-6)  # ...of the same accuracy
     assert torch.equal(window[:, 3:], eager) and torch.all(window[:, :3] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", [(3072, 1024, 1), (96, 48, 2), (37, 131, 2), (5, 7, 1)], ids=str)
+def test_native_gemv_is_the_exact_product_rounded_once(dtype, shape):
+    """gemv.c against float64 on the same (dtype-rounded) values: every build's vector path (this
+    machine's, and through tests/test_cpu.py each smaller level's), odd sizes with tails, one and
+    two rows, a bias; two rows give each row what it gets alone (the same sums)."""
+    if not native_gemv(dtype):
+        pytest.skip("no vector native product for this dtype in this build")
+    rows, cols, m = shape
+    gen = torch.Generator().manual_seed(rows + cols)
+    linear = nn.Linear(cols, rows, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(rows, cols, generator=gen) / cols**0.5)
+        linear.bias.copy_(torch.randn(rows, generator=gen))
+    linear.to(dtype)
+    layer = native_linear.NativeLinear(linear, native.library())
+    x = torch.randn(m, cols, generator=gen).to(dtype)
+    with torch.inference_mode():
+        got = layer(x)
+        exact = (x.double() @ linear.weight.double().T + linear.bias.double()).to(dtype)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(m)])
+    assert got.dtype == dtype and got.shape == (m, rows)
+    assert torch.equal(got, alone)
+    step = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(got.double(), exact.double(), rtol=step, atol=step * float(exact.abs().max()))

@@ -29,7 +29,7 @@ import torch
 
 from .. import cpu
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c"))
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
 # target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
@@ -123,6 +123,9 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "combine_rows": ([_P, _INT, _INT, _F, _P], None),
     "has_float16": ([], _INT),
     "snake_beta": ([*[_P] * 4, *[_LONG] * 5, _INT], _INT),
+    "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
+    "gemv_vector_bits": ([], _INT),
+    "gemv_bf16_dot": ([], _INT),
 }
 
 

@@ -1,0 +1,238 @@
+/* Single-threaded products of one or two activation rows with a weight matrix, for decoding steps:
+   y[i][r] = sum over c of x[i][c] * w[r][c], i < m (m = 1 or 2), r < rows; w is row-major
+   (rows, cols), as a Linear stores it; x and y are m rows of cols and rows values.
+
+   Batch-1 decoding reads every weight once per step and does two flops with it: the time is the
+   weight reads. These loops read one weight row at a time, as one sequential stream with four
+   independent accumulators (measured: ~96% of a plain single-threaded read; several rows at once
+   and fewer accumulators read slower), each weight loaded once for both activation rows; one
+   thread gets most of the machine's read bandwidth, so generation can keep its own core while the
+   vocoder has the other (kazeia/engine.py) and never waits for another thread.
+
+   Summation: 4 x 16 (AVX-512) or 4 x 8 (AVX2) lanes of partial sums over the columns (8 lanes in
+   the portable build), added in a fixed order: for a given build a row's result never depends on
+   m or on the other rows.
+   Weights and activations of dt (0 float32, 1 bfloat16, 2 float16) are widened to float32 and
+   multiplied with fused multiply-adds; with AVX512_BF16, bfloat16 pairs go through its dot product
+   (exact products, float32 sums). Outputs are rounded to dt once, as a float32-accumulating matmul
+   does. Which instructions are used is decided by the build's target flags (kazeia/cpu.py). */
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#ifdef __FLT16_MAX__
+typedef _Float16 half;
+static inline float f16_to_f32(uint16_t v) {
+    half h;
+    memcpy(&h, &v, sizeof h);
+    return (float)h;
+}
+static inline uint16_t f32_to_f16(float f) {
+    half h = (half)f;
+    uint16_t v;
+    memcpy(&v, &h, sizeof v);
+    return v;
+}
+#else
+static inline float f16_to_f32(uint16_t v) { return (float)v; } /* never called: see has_float16 */
+static inline uint16_t f32_to_f16(float f) { return (uint16_t)f; }
+#endif
+
+static inline float widen(const void *p, long i, int dt) {
+    if (dt == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dt == F16) return f16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void narrow(void *p, long i, float v, int dt) {
+    if (dt == BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else if (dt == F16)
+        ((uint16_t *)p)[i] = f32_to_f16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* Which instructions this build uses, for tests and logs: 512 (AVX-512), 256 (AVX2 + FMA) or 0. */
+int gemv_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+/* Whether bfloat16 pairs use AVX512_BF16's dot product in this build. */
+int gemv_bf16_dot(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---- weight loads widened to float32 vectors ------------------------------------------------ */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+enum { LANES = 16 };
+static inline vec vload(const void *p, long i, int dt) {
+    if (dt == BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dt == F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) { /* a fixed tree: halves, then quarters, ... */
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));
+    return _mm_cvtss_f32(b);
+}
+#define VECTORS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+enum { LANES = 8 };
+static inline vec vload(const void *p, long i, int dt) {
+    if (dt == BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (dt == F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec v) {
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+    b = _mm_add_ss(b, _mm_shuffle_ps(b, b, 1));
+    return _mm_cvtss_f32(b);
+}
+#define VECTORS 1
+#else
+enum { LANES = 8 };
+#define VECTORS 0
+#endif
+
+/* One weight row (cols values of dt, at w) against the m activation rows xf (float32, cols each):
+   sums[i]. Four independent accumulators per activation row over consecutive vectors (one
+   sequential stream of weights: what the prefetchers and the load ports like best), then single
+   vectors, then the columns left over, in order. */
+static void row_dot(const void *w, int dt, const float *xf, int m, long cols, float sums[2]) {
+    long c = 0;
+#if VECTORS
+    vec a[2][4];
+    for (int i = 0; i < 2; i++)
+        for (int u = 0; u < 4; u++) a[i][u] = vzero();
+    for (; c + 4 * LANES <= cols; c += 4 * LANES)
+        for (int u = 0; u < 4; u++) {
+            vec wv = vload(w, c + u * LANES, dt);
+            a[0][u] = vfma(wv, vload(xf, c + u * LANES, F32), a[0][u]);
+            if (m > 1) a[1][u] = vfma(wv, vload(xf + cols, c + u * LANES, F32), a[1][u]);
+        }
+    for (; c + LANES <= cols; c += LANES) {
+        vec wv = vload(w, c, dt);
+        a[0][0] = vfma(wv, vload(xf, c, F32), a[0][0]);
+        if (m > 1) a[1][0] = vfma(wv, vload(xf + cols, c, F32), a[1][0]);
+    }
+    for (int i = 0; i < m; i++) sums[i] = vsum(vadd(vadd(a[i][0], a[i][1]), vadd(a[i][2], a[i][3])));
+#else
+    float part[2][LANES];
+    for (int i = 0; i < 2; i++)
+        for (int l = 0; l < LANES; l++) part[i][l] = 0.0f;
+    for (; c + LANES <= cols; c += LANES)
+        for (int l = 0; l < LANES; l++) {
+            float wv = widen(w, c + l, dt);
+            part[0][l] += wv * xf[c + l];
+            if (m > 1) part[1][l] += wv * xf[cols + c + l];
+        }
+    for (int i = 0; i < m; i++) {
+        float s = 0.0f;
+        for (int l = 0; l < LANES; l++) s += part[i][l];
+        sums[i] = s;
+    }
+#endif
+    for (int i = 0; i < m; i++)
+        for (long k = c; k < cols; k++) sums[i] += widen(w, k, dt) * xf[(long)i * cols + k];
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* bfloat16 weights and activations with AVX512_BF16's pair dot product: 32 columns a vector. */
+static void row_dot_bf16(const uint16_t *w, const uint16_t *x, int m, long cols, float sums[2]) {
+    __m512 a[2][4];
+    for (int i = 0; i < 2; i++)
+        for (int u = 0; u < 4; u++) a[i][u] = _mm512_setzero_ps();
+    long c = 0;
+    for (; c + 128 <= cols; c += 128)
+        for (int u = 0; u < 4; u++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + c + 32 * u));
+            a[0][u] = _mm512_dpbf16_ps(a[0][u], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + c + 32 * u)));
+            if (m > 1)
+                a[1][u] = _mm512_dpbf16_ps(a[1][u], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + cols + c + 32 * u)));
+        }
+    for (; c + 32 <= cols; c += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + c));
+        a[0][0] = _mm512_dpbf16_ps(a[0][0], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + c)));
+        if (m > 1) a[1][0] = _mm512_dpbf16_ps(a[1][0], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + cols + c)));
+    }
+    for (int i = 0; i < m; i++) {
+        float s = vsum(vadd(vadd(a[i][0], a[i][1]), vadd(a[i][2], a[i][3])));
+        for (long k = c; k < cols; k++) s += bf16_to_f32(w[k]) * bf16_to_f32(x[(long)i * cols + k]);
+        sums[i] = s;
+    }
+}
+#endif
+
+/* y (m x rows, dt) = x (m x cols, dt) @ w.T (w: rows x cols, dt) [+ bias (rows, dt)]; m is 1 or 2.
+   Returns 0, or -1 for an m it does not take. */
+int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt) {
+    if (m < 1 || m > 2) return -1;
+    float xf[2 * cols];
+    for (long i = 0; i < m * cols; i++) xf[i] = widen(x, i, dt);
+    const long width = dt == F32 ? 4 : 2; /* bytes per value */
+    for (long r = 0; r < rows; r++) {
+        const void *row = (const char *)w + r * cols * width;
+        float sums[2];
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        if (dt == BF16)
+            row_dot_bf16((const uint16_t *)row, (const uint16_t *)x, m, cols, sums);
+        else
+#endif
+            row_dot(row, dt, xf, m, cols, sums);
+        for (int i = 0; i < m; i++) {
+            float v = sums[i];
+            if (bias) v += widen(bias, r, dt);
+            narrow(y, (long)i * rows + r, v, dt);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,73 @@
+"""Linear layers whose decoding-step products run in the native single-threaded GEMV (gemv.c).
+
+A decoding step multiplies one or two activation rows by each weight: a weight read, two flops a
+weight. gemv.c streams each weight row once at nearly the read bandwidth of one thread, where the
+stock and oneDNN kernels, run on one thread, read well below it (figures: docs/design.md); the
+engine gives generation one thread of its own (kazeia/engine.py), so this is its product. More
+rows (a prompt) are a matrix product bound by arithmetic: `F.linear` on the same weight, in float32
+where the CPU has no bfloat16/float16 dot products (the stock half-precision kernels are slow
+there). Tensors only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import cpu
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_ROWS = 2  # rows per call the GEMV takes (a decode step: one position, or the predictor's first two)
+HALF_FEATURE = {torch.bfloat16: "bf16", torch.float16: "f16"}  # native half-precision dot products
+
+
+class NativeLinear(nn.Module):
+    """y = x @ weight.T + bias with the weight as the Linear stores it ((out, in), contiguous)."""
+
+    def __init__(self, linear: nn.Linear, lib: ctypes.CDLL):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().contiguous())
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
+        self.lib = lib
+        self.dt = DTYPES[self.weight.dtype]
+        feature = HALF_FEATURE.get(self.weight.dtype)
+        self.prompt_in_float32 = feature is not None and not cpu.uses(feature)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (..., out), in the weight's dtype."""
+        rows = x.reshape(-1, self.in_features)
+        m = rows.shape[0]
+        if m > MAX_ROWS or x.dtype != self.weight.dtype:
+            return self._matmul(x)
+        rows = rows.contiguous()
+        y = torch.empty(m, self.out_features, dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        self.lib.gemv(self.weight.data_ptr(), rows.data_ptr(), bias, y.data_ptr(), self.out_features,
+                      self.in_features, m, self.dt)  # fmt: skip
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.prompt_in_float32:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+def usable(lib: ctypes.CDLL | None, dtype: torch.dtype) -> bool:
+    """Whether the native GEMV should take this model's products: a library with vector
+    instructions (the portable build's scalar loops are slower than the stock kernels), a dtype it
+    takes, and torch on one thread per stage (with more, oneDNN's multi-threaded products win)."""
+    if lib is None or dtype not in DTYPES or lib.gemv_vector_bits() == 0:
+        return False
+    if dtype == torch.float16 and not lib.has_float16():
+        return False
+    return torch.get_num_threads() == 1
+
+
+def converter(lib: ctypes.CDLL) -> Callable[[nn.Linear], nn.Module]:
+    return lambda linear: NativeLinear(linear, lib)
