@@ -14,8 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import RequestError
+
 SAMPLE_RATE = 24000  # Hz, output of every released 12 Hz checkpoint
 MIN_REFERENCE_S = 1.0  # shortest reference audio accepted, seconds (3-10 s clone best)
+MAX_REFERENCE_S = 60.0  # longest, by default: its codes join every ICL prompt (a server may take less)
+# Checked from the header, before anything is decoded: a file's decoded size is what it declares.
+MIN_RATE, MAX_RATE = 8000, 192000  # Hz
+MAX_CHANNELS = 8
+MAX_DECODED_BYTES = 256 << 20  # float32 samples of all channels, before they are mixed down
 SILENCE_PEAK = 1e-3  # a reference whose peak stays below this (-60 dBFS) is treated as silence
 
 
@@ -53,17 +60,21 @@ def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_R
         raise ValueError(f"cannot write audio to {path}: {e}") from None
 
 
-def load_reference_audio(source, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+def load_reference_audio(source, sample_rate: int = SAMPLE_RATE, max_seconds: float = MAX_REFERENCE_S) -> np.ndarray:
     """Reference audio for voice cloning -> mono float32 at `sample_rate` Hz.
 
     `source`: a path (WAV, FLAC, OGG, MP3 or anything else libsndfile reads), the bytes of such a
     file, a binary file object, or `(array, sample_rate)` with an array of shape (samples,) or
     (samples, channels) (float in [-1, 1], or signed integer PCM scaled by its type's range). Channels are
     averaged; other rates are resampled with soxr (high quality), as the reference does with
-    librosa. Raises ValueError for unreadable, empty, non-finite, too short (< MIN_REFERENCE_S) or
-    silent (peak < SILENCE_PEAK) audio.
+    librosa. Before any sample is decoded or resampled, the header (or the array's shape) is held
+    to MIN_RATE..MAX_RATE Hz, MAX_CHANNELS channels, `max_seconds` and MAX_DECODED_BYTES. Raises
+    ValueError naming the value and the limit, and for unreadable, empty, non-finite, too short (<
+    MIN_REFERENCE_S) or silent (peak < SILENCE_PEAK) audio.
     """
-    audio, rate, name = _decode(source)
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0:
+        raise ValueError(f"max_seconds must be a number > 0, got {max_seconds!r}")
+    audio, rate, name = _decode(source, max_seconds)
     if audio.ndim == 2:
         audio = np.mean(audio, axis=-1) if audio.shape[1] else np.zeros(0, np.float32)
     audio = audio.astype(np.float32, copy=False)
@@ -93,36 +104,71 @@ def resample(audio: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     return out.astype(np.float32, copy=False)
 
 
-def _decode(source) -> tuple[np.ndarray, int, str]:
+def _decode(source, max_seconds: float) -> tuple[np.ndarray, int, str]:
     """(audio (samples,) or (samples, channels), sample rate, a name for messages)."""
     if isinstance(source, tuple):
-        return _from_array(source)
+        return _from_array(source, max_seconds)
     if isinstance(source, (str, os.PathLike)):
         path = Path(source).expanduser()
         if not path.is_file():
             raise ValueError(f"reference audio: no such file: {path}")
-        return _read(str(path), str(path))
+        return _read(str(path), str(path), max_seconds)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return _read(io.BytesIO(bytes(source)), "(bytes)")
+        return _read(io.BytesIO(bytes(source)), "(bytes)", max_seconds)
     if hasattr(source, "read"):
-        return _read(source, getattr(source, "name", "(file object)"))
+        return _read(source, getattr(source, "name", "(file object)"), max_seconds)
     raise ValueError(
         "reference audio must be a path, bytes, a binary file object or an (array, sample_rate) tuple, "
         f"got {type(source).__name__}"
     )
 
 
-def _read(file, name: str) -> tuple[np.ndarray, int, str]:
+class ReferenceLimitError(RequestError):
+    """Reference audio over one of the limits read from its header; `too_long` for its duration or
+    decoded size (a rate or channel count out of range otherwise)."""
+
+    def __init__(self, message: str, too_long: bool):
+        super().__init__("audio", message)
+        self.too_long = too_long
+
+
+def _check_shape(name: str, rate: int, channels: int, frames: int, max_seconds: float) -> None:
+    """The limits every reference is held to before a sample of it is decoded or converted."""
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ReferenceLimitError(
+            f"reference audio {name} declares {rate} Hz; accepted: {MIN_RATE} to {MAX_RATE} Hz", False
+        )
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise ReferenceLimitError(
+            f"reference audio {name} has {channels} channels; accepted: 1 to {MAX_CHANNELS}", False
+        )
+    if frames > max_seconds * rate:
+        raise ReferenceLimitError(
+            f"reference audio {name} is {frames / rate:.1f} s long; the limit is {max_seconds:g} s", True
+        )
+    if frames * channels * 4 > MAX_DECODED_BYTES:
+        raise ReferenceLimitError(
+            f"reference audio {name} would decode to {frames * channels * 4 / 2**20:.0f} MiB; "
+            f"the limit is {MAX_DECODED_BYTES >> 20} MiB",
+            True,
+        )
+
+
+def _read(file, name: str, max_seconds: float) -> tuple[np.ndarray, int, str]:
     import soundfile as sf
 
     try:
-        audio, rate = sf.read(file, dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, OSError) as e:
+        with sf.SoundFile(file) as f:
+            rate, channels, frames = int(f.samplerate), int(f.channels), int(f.frames)
+            _check_shape(name, rate, channels, frames, max_seconds)
+            # At most what the header allowed, even if the file holds more than it declared.
+            audio = f.read(frames=frames, dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError, OSError) as e:
         raise ValueError(f"cannot read reference audio {name}: {e}") from None
-    return audio, int(rate), str(name)
+    return audio, rate, str(name)
 
 
-def _from_array(source: tuple) -> tuple[np.ndarray, int, str]:
+def _from_array(source: tuple, max_seconds: float) -> tuple[np.ndarray, int, str]:
     if len(source) != 2:
         raise ValueError("reference audio as a tuple must be (array, sample_rate)")
     audio, rate = source
@@ -131,6 +177,7 @@ def _from_array(source: tuple) -> tuple[np.ndarray, int, str]:
     audio = np.asarray(audio)
     if audio.ndim not in (1, 2):
         raise ValueError(f"reference audio array must have shape (samples,) or (samples, channels), got {audio.shape}")
+    _check_shape("(array)", int(rate), 1 if audio.ndim == 1 else audio.shape[1], audio.shape[0], max_seconds)
     if np.issubdtype(audio.dtype, np.signedinteger):
         audio = audio.astype(np.float32) / float(2 ** (8 * audio.dtype.itemsize - 1))
     elif not np.issubdtype(audio.dtype, np.floating):

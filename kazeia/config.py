@@ -72,6 +72,7 @@ class TransformerConfig:
     intermediate_size: int  # SwiGLU width
     rms_norm_eps: float
     rope_theta: float
+    max_positions: int  # positions the rotary embedding was trained for (max_position_embeddings)
 
     @classmethod
     def read(cls, f: _Fields) -> TransformerConfig:
@@ -84,6 +85,7 @@ class TransformerConfig:
             intermediate_size=f.get("intermediate_size", int),
             rms_norm_eps=f.get("rms_norm_eps", float),
             rope_theta=f.get("rope_theta", float),
+            max_positions=f.get("max_position_embeddings", int),
         )
 
 

@@ -33,7 +33,7 @@ from .errors import RequestError
 from .live import live_trailing
 from .model import TTSModel
 from .prompt import Prompt, build_prompt, needs_whole_text
-from .request import Request, Rules, TextSource, build_request, ref_text_ids
+from .request import Request, Rules, TextSource, bounded, build_request, ref_text_ids
 from .sampling import SamplingKwargs, SamplingOptions
 from .streaming import ChunkSchedule, Metrics, SpeechStream
 from .text import TextTokenizer
@@ -241,6 +241,7 @@ class Engine:
         chunk_frames: int = 4,
         text_timeout: float | None = 30.0,
         should_stop: Callable[[], bool] | None = None,
+        text_deadline: float | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> SpeechStream:
         """Like `synthesize`, but yields `AudioChunk`s while generating.
@@ -253,14 +254,24 @@ class Engine:
         `text` may also be a source of text that is still arriving: an iterable or async iterable of
         deltas, or a `TextFeed` (see kazeia/live.py). Speech then starts with the first complete word
         (streaming text layout, `non_streaming_mode=False`, the default for such sources), and the
-        codes and audio equal those of the whole text given at once. A source idle for longer than
-        `text_timeout` seconds (None: no limit) fails the stream. `should_stop`: polled before each
+        codes and audio equal those of the whole text given at once. A source that adds no new text
+        (empty or blank deltas do not count) for longer than `text_timeout` seconds, or whose text
+        has not ended `text_deadline` seconds after the stream started waiting for it, fails the
+        stream (None: no limit). `should_stop`: polled before each
         frame; True ends the stream early (an alternative to `close()`).
         """
         started = time.perf_counter()
         schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
         request = self.request(
-            text, voice, language, instruct, seed, non_streaming_mode, text_timeout=text_timeout, **sampling
+            text,
+            voice,
+            language,
+            instruct,
+            seed,
+            non_streaming_mode,
+            text_timeout=text_timeout,
+            text_deadline=text_deadline,
+            **sampling,
         )
         return self.stream_request(request, schedule, should_stop, started)
 
@@ -293,6 +304,7 @@ class Engine:
         seed: int | None = None,
         non_streaming_mode: bool | None = None,
         text_timeout: float | None = 30.0,
+        text_deadline: float | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> Request:
         """Validate a call's arguments and resolve names to ids (kazeia/request.py): a `Request`
@@ -302,6 +314,7 @@ class Engine:
             self.rules,
             text,
             text_timeout,
+            text_deadline,
             voice=voice,
             language=language,
             instruct=instruct,
@@ -327,6 +340,8 @@ class Engine:
         whole = needs_whole_text(request.cond, request.non_streaming_mode)
         if not live.start() or not (live.wait_for_end() if whole else live.need(1)):
             return None
+        if whole:  # all of the text goes into the prompt: it must fit the model's positions too
+            bounded(self.rules, request, len(live.ids))
         ids = self.tokenizer.wrap_assistant(live.ids if whole else live.ids[:1])
         prompt = build_prompt(self.model, ids, request.cond, request.non_streaming_mode)
         if not whole:  # the trailing text track, one token per frame as it arrives

@@ -38,7 +38,11 @@ class TextFeed:
 
     def append(self, delta: str) -> None:
         if not isinstance(delta, str):
-            raise ValueError(f"text deltas must be strings, got {type(delta).__name__}")
+            raise RequestError("text", f"text deltas must be strings, got {type(delta).__name__}")
+        try:
+            delta.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError("text", "a text delta is not valid Unicode (a lone surrogate)") from None
         if self._ended:
             raise ValueError("the text feed has ended; no more text can be appended")
         self._queue.put(delta)
@@ -98,9 +102,15 @@ class LiveText:
         feed: TextFeed,
         idle_timeout: float | None,
         should_stop: Callable[[], bool] | None = None,
+        deadline: float | None = None,
     ):
+        """idle_timeout: seconds the text may go without advancing (a delta with something other
+        than whitespace; empty and blank deltas do not count) before it fails with TextTimeout.
+        deadline: seconds, from the first wait for text, within which the text must have ended."""
         self.tokenizer, self.feed = tokenizer, feed
-        self.idle_timeout, self.should_stop = idle_timeout, should_stop
+        self.idle_timeout, self.should_stop, self.deadline = idle_timeout, should_stop, deadline
+        self._active_at: float | None = None  # monotonic time of the last advancing delta (or the first wait)
+        self._ends_at: float | None = None  # monotonic time by which the text must end
         self.text = ""
         self.ids: list[int] = []  # stable ids so far (all of them once the source has ended)
         self.ended = False
@@ -136,16 +146,19 @@ class LiveText:
 
     def _pull(self) -> bool:
         """Take one delta (blocking, polling `should_stop`); False if asked to stop."""
-        deadline = None if self.idle_timeout is None else time.monotonic() + self.idle_timeout
+        now = time.monotonic()
+        if self._active_at is None:
+            self._active_at = now
+            self._ends_at = None if self.deadline is None else now + self.deadline
         while True:
             if self.should_stop is not None and self.should_stop():
                 return False
+            self._check_time()
             try:
                 item = self.feed.get(timeout=0.05)
                 break
             except queue.Empty:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TextTimeout(f"no text arrived for {self.idle_timeout:g} s (text_timeout)") from None
+                continue
         if isinstance(item, BaseException):
             raise item
         if item is _END:
@@ -154,9 +167,18 @@ class LiveText:
         elif isinstance(item, str) and item:
             if self.first_text_at is None:
                 self.first_text_at = time.perf_counter()
+            if item.strip():  # only text that advances the utterance counts as activity
+                self._active_at = time.monotonic()
             self.text += item
             self._update(final=False)
         return True
+
+    def _check_time(self) -> None:
+        now = time.monotonic()
+        if self._ends_at is not None and now > self._ends_at:
+            raise TextTimeout(f"the text did not end within {self.deadline:g} s (text_deadline)")
+        if self.idle_timeout is not None and self._active_at is not None and now > self._active_at + self.idle_timeout:
+            raise TextTimeout(f"no new text arrived for {self.idle_timeout:g} s (text_timeout)")
 
     def _update(self, final: bool) -> None:
         encoding = self.tokenizer.encoding(self.text)

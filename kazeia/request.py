@@ -16,13 +16,14 @@ from dataclasses import dataclass, replace
 from .config import ModelConfig
 from .errors import RequestError
 from .live import LiveText, TextFeed, as_feed
-from .prompt import Conditioning, has_text
+from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, has_text, prompt_positions
 from .sampling import SamplingOptions
 from .text import TextTokenizer
 from .voices import Voice, VoiceModel
 
 TextSource = str | Iterable[str] | AsyncIterable[str] | TextFeed
 MAX_SEED = 2**63
+TEMPLATE_IDS = ROLE_IDS + CLOSING_IDS  # the assistant template's ids around the text tokens
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Request:
     non_streaming_mode: bool  # the text layout (prompt.py)
     seed: int  # drives every random draw; the same seed gives the same bytes
     live: LiveText | None = None  # text still arriving (a text source rather than a string)
+    prompt_positions: int = 0  # talker positions of the prompt (live text: without the text)
 
 
 def validate_options(
@@ -89,38 +91,73 @@ def validate_options(
     return Request((), cond, options, non_streaming_mode, seed)
 
 
-def build_request(rules: Rules, text: TextSource, text_timeout: float | None = 30.0, **options) -> Request:
+def build_request(
+    rules: Rules,
+    text: TextSource,
+    text_timeout: float | None = 30.0,
+    text_deadline: float | None = None,
+    **options,
+) -> Request:
     """A whole text, or a source of text still arriving (an iterable or async iterable of deltas,
-    or a `TextFeed`, read from now on; `text_timeout`: seconds it may stay idle, None for no limit;
-    its default layout is the one that reads the text while generating, `non_streaming_mode=False`),
-    with `options` as `validate_options` takes them."""
+    or a `TextFeed`, read from now on; `text_timeout`: seconds it may go without new text, None for
+    no limit; `text_deadline`: seconds, from when generation starts waiting for it, within which it
+    must end, None for none; its default layout is the one that reads the text while generating,
+    `non_streaming_mode=False`), with `options` as `validate_options` takes them."""
     if isinstance(text, str):
+        check_text("text", text)
         if not text.strip():
             raise RequestError("text", "text is empty")
         base = validate_options(rules, **options)
         ids = rules.tokenizer.assistant_ids(text)
         if not has_text(ids):
             raise RequestError("text", "text produced no tokens")
-        return replace(base, text_ids=tuple(ids))
+        return bounded(rules, replace(base, text_ids=tuple(ids)), len(ids) - TEMPLATE_IDS)
     if isinstance(text, (bytes, bytearray)):
         raise RequestError("text", "text must be a string or a source of strings, not bytes")
     if not isinstance(text, (Iterable, AsyncIterable, TextFeed)):
         kind = type(text).__name__
         raise RequestError("text", f"text must be a string, an iterable or an async iterable of strings, not {kind}")
-    if text_timeout is not None and (
-        isinstance(text_timeout, bool) or not isinstance(text_timeout, (int, float)) or not text_timeout > 0
-    ):
-        raise RequestError(
-            "text_timeout", f"text_timeout must be a number of seconds > 0 or None, got {text_timeout!r}"
-        )
+    for name, value in (("text_timeout", text_timeout), ("text_deadline", text_deadline)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+            raise RequestError(name, f"{name} must be a number of seconds > 0 or None, got {value!r}")
     if options.get("non_streaming_mode") is None:
         options["non_streaming_mode"] = False
-    base = validate_options(rules, **options)
-    return replace(base, live=LiveText(rules.tokenizer, as_feed(text), text_timeout))  # starts reading it
+    base = bounded(rules, validate_options(rules, **options), 0)
+    live = LiveText(rules.tokenizer, as_feed(text), text_timeout, deadline=text_deadline)  # starts reading it
+    return replace(base, live=live)
+
+
+def bounded(rules: Rules, request: Request, text_tokens: int) -> Request:
+    """`request` with its prompt's positions, once prompt + max_new_tokens fit the talker's
+    positions (a RequestError naming the part that does not fit, before any work)."""
+    positions = prompt_positions(request.cond, text_tokens, request.non_streaming_mode)
+    limit = rules.cfg.talker.stack.max_positions
+    wanted = request.options.max_new_tokens
+    if positions >= limit:
+        field = "text" if text_tokens else "voice"
+        raise RequestError(field, f"the prompt takes {positions} positions; the model has {limit} in all")
+    if positions + wanted > limit:
+        raise RequestError(
+            "max_new_tokens",
+            f"max_new_tokens {wanted} after a prompt of {positions} positions exceeds the model's {limit} "
+            f"positions; ask for at most {limit - positions}",
+        )
+    return replace(request, prompt_positions=positions)
+
+
+def check_text(field: str, value: str) -> None:
+    """A string the tokenizer can take: encodable as UTF-8 (no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            field, f"{field} is not valid Unicode: {value[e.start]!r} at character {e.start} is a lone surrogate"
+        ) from None
 
 
 def ref_text_ids(rules: Rules, ref_text: str) -> list[int]:
     """The tokens of a cloned voice's transcript (no template ids); none at all is an error."""
+    check_text("ref_text", ref_text)
     ids = rules.tokenizer.text_ids(ref_text)
     if not ids:
         raise RequestError("ref_text", "ref_text produced no tokens")
@@ -197,6 +234,8 @@ def _speaker(rules: Rules, voice) -> str | None:
 def _instruct(rules: Rules, instruct) -> tuple[int, ...] | None:
     if instruct is not None and not isinstance(instruct, str):
         raise RequestError("instruct", f"instruct must be a string, got {type(instruct).__name__}")
+    if instruct is not None:
+        check_text("instruct", instruct)
     given = bool(instruct and instruct.strip())
     kind = rules.model_type
     if given and kind == "base":

@@ -22,6 +22,9 @@ from .errors import RequestError
 # Where generation_config.json leaves a field out, the reference falls back to its own value, which
 # differs from the released files' for this one field (8192).
 FILE_FALLBACKS = {"max_new_tokens": 2048}
+# Temperatures and the repetition penalty divide float32 logits (|x| < ~100): below this the
+# quotients overflow to infinity and sampling meets NaN. Anything that small is greedy in effect.
+MIN_DIVISOR = 1e-3
 MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two talker tokens
 CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, never sampled (except EOS)
 
@@ -53,12 +56,12 @@ class SamplingOptions:
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("temperature", "subtalker_temperature"):
-            _check(name, getattr(self, name), float, lambda v: v > 0, "a number > 0")
+            _check(name, getattr(self, name), float, _safe_divisor, f"a number >= {MIN_DIVISOR:g}")
         for name in ("top_k", "subtalker_top_k"):
             _check(name, getattr(self, name), int, lambda v: v >= 0, "an integer >= 0")
         for name in ("top_p", "subtalker_top_p"):
             _check(name, getattr(self, name), float, lambda v: 0 < v <= 1, "a number in (0, 1]")
-        _check("repetition_penalty", self.repetition_penalty, float, lambda v: v > 0, "a number > 0")
+        _check("repetition_penalty", self.repetition_penalty, float, _safe_divisor, f"a number >= {MIN_DIVISOR:g}")
         # Two tokens at least: the first can never be EOS, so every call yields one frame or more.
         _check("max_new_tokens", self.max_new_tokens, int, lambda v: v >= 2, "an integer >= 2")
 
@@ -98,6 +101,10 @@ class SamplingKwargs(TypedDict, total=False):
     subtalker_top_k: int | None
     subtalker_top_p: float | None
     ignore_eos: bool | None
+
+
+def _safe_divisor(value: float) -> bool:
+    return MIN_DIVISOR <= value < float("inf")
 
 
 def _check(name: str, value, kind: type, ok, what: str) -> None:

@@ -247,3 +247,26 @@ def test_cli_creates_a_voice_and_speaks_with_it(tiny_checkpoints, engines, ref_w
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("kazeia: error: ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("non_streaming_mode", [False, True])
+def test_prompt_positions_are_known_before_the_prompt_is_built(engines, voices, non_streaming_mode):
+    """`prompt_positions` (what bounds a request by the model's positions) counts exactly the
+    positions `build_prompt` lays out, for every kind of checkpoint, voice and layout."""
+    from kazeia.prompt import build_prompt
+
+    cases = [(engines["0.6B-base"], dict(voice=v)) for v in voices["0.6B-base"]]
+    cases += [(engines["1.7B-custom"], dict(voice="eric", instruct="Slowly.", language="chinese"))]
+    cases += [(engines["0.6B-custom"], dict(voice="serena")), (engines["1.7B-design"], dict(instruct="Deep."))]
+    for engine, options in cases:
+        request = engine.request(
+            "Counting the positions, one by one.", non_streaming_mode=non_streaming_mode, **options
+        )
+        prompt = build_prompt(engine.model, request.text_ids, request.cond, non_streaming_mode)
+        assert request.prompt_positions == prompt.embeds.shape[1], options
+
+
+def test_a_voice_whose_prompt_exceeds_the_positions_is_refused(engines, voices):
+    engine = engines["0.6B-base"]
+    with pytest.raises(ValueError, match=r"max_new_tokens 32750 after a prompt of \d+ positions"):
+        engine.synthesize("Too long.", voice=voices["0.6B-base"][0], max_new_tokens=32750)

@@ -1,6 +1,7 @@
 """Live text input: text delivered in pieces, at any timing, speaks exactly like the whole text."""
 
 import asyncio
+import random
 import threading
 import time
 
@@ -112,8 +113,52 @@ def test_idle_source_times_out(engines):
     feed = TextFeed()
     stream = engines["0.6B-custom"].stream(feed, text_timeout=0.3, **OPTIONS)
     feed.append("Hello ")
-    with pytest.raises(TextTimeout, match="no text arrived for 0.3 s"):
+    with pytest.raises(TextTimeout, match="no new text arrived for 0.3 s"):
         list(stream)
+
+
+def test_blank_deltas_do_not_keep_a_live_text_alive(engines):
+    """Empty or whitespace-only deltas every 0.1 s do not reset a 0.5 s text_timeout (they do
+    not advance the utterance): it fails after ~0.5 s, not never."""
+    feed = TextFeed()
+    stream = engines["0.6B-custom"].stream(feed, text_timeout=0.5, **OPTIONS)
+    feed.append("Hello ")
+    stop = threading.Event()
+
+    def keep_alive():
+        while not stop.is_set():
+            feed.append(" " if random.random() < 0.5 else "")
+            time.sleep(0.1)
+
+    threading.Thread(target=keep_alive, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TextTimeout, match="no new text arrived for 0.5 s"):
+            list(stream)
+    finally:
+        stop.set()
+    assert time.monotonic() - start < 5.0
+
+
+def test_a_live_text_that_never_ends_meets_its_deadline(engines):
+    """A source that keeps adding words but never ends fails at `text_deadline`."""
+    feed = TextFeed()
+    stream = engines["0.6B-custom"].stream(feed, text_deadline=0.8, non_streaming_mode=True, **OPTIONS)
+    stop = threading.Event()
+
+    def talk():
+        while not stop.is_set():
+            feed.append("word ")
+            time.sleep(0.05)
+
+    threading.Thread(target=talk, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TextTimeout, match="did not end within 0.8 s"):
+            list(stream)
+    finally:
+        stop.set()
+    assert time.monotonic() - start < 5.0
 
 
 def test_closing_while_waiting_for_text_stops_everything(engines):

@@ -78,7 +78,7 @@ def test_bad_reference_audio(tmp_path):
         (b"RIFF garbage", "cannot read reference audio"),
         (empty_wav, "is empty"),
         ((np.zeros(0, np.float32), 16000), "is empty"),
-        ((np.zeros((48000, 0), np.float32), 16000), "is empty"),
+        ((np.zeros((48000, 0), np.float32), 16000), "0 channels"),
         ((loud[:short], 16000), "too short"),
         ((np.zeros(48000, np.float32), 16000), "silent"),
         ((1e-5 * loud, 16000), "silent"),
@@ -95,6 +95,29 @@ def test_bad_reference_audio(tmp_path):
     for source, message in cases:
         with pytest.raises(ValueError, match=message):
             load_reference_audio(source)
+
+
+def test_what_a_header_declares_is_bounded_before_decoding(tmp_path):
+    """Audio bombs: a small file declaring a tiny rate, many channels, or a long duration is refused
+    from its header (before decoding or resampling, which would take GBs); so is an array."""
+    noise = np.random.default_rng(0).standard_normal(1_000_000).astype(np.float32) * 0.1
+    cases = {
+        "slow.wav": (noise[:500_000], 100, "declares 100 Hz; accepted: 8000 to 192000"),
+        "one-hertz.wav": (noise[:200_000], 1, "declares 1 Hz"),
+        "channels.wav": (np.tile(noise[:50_000, None], (1, 9)), 16000, "has 9 channels; accepted: 1 to 8"),
+        "long.flac": (noise[: 61 * 16000], 16000, "is 61.0 s long; the limit is 60 s"),
+    }
+    for name, (audio, rate, message) in cases.items():
+        path = tmp_path / name
+        sf.write(path, audio, rate, subtype="PCM_16")
+        for source in (path, path.read_bytes()):
+            with pytest.raises(ValueError, match=message):
+                load_reference_audio(source)
+    with pytest.raises(ValueError, match="is 5.0 s long; the limit is 3 s"):
+        load_reference_audio((noise[:80_000], 16000), max_seconds=3)
+    huge = np.broadcast_to(np.float32(0.1), (59 * 192_000, 8))  # 360 MiB as float32, none allocated
+    with pytest.raises(ValueError, match="would decode to 346 MiB; the limit is 256 MiB"):
+        load_reference_audio((huge, 192_000))
 
 
 @pytest.mark.parametrize("rate", [8000, 16000, 22050, 44100, 48000])

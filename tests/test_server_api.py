@@ -126,7 +126,7 @@ BAD = [
     ({"speed": "fast"}, 400, "speed", ["number"]),
     ({"stream_format": "chunks"}, 400, "stream_format", ["chunks", "sse"]),
     ({"temperature": 5}, 400, "temperature", ["at most 2.0"]),
-    ({"temperature": 0}, 400, "temperature", ["> 0"]),
+    ({"temperature": 0}, 400, "temperature", [">= 0.001"]),
     ({"top_p": 2}, 400, "top_p", ["(0, 1]"]),
     ({"top_k": 1.5}, 400, "top_k", ["integer"]),
     ({"max_new_tokens": 65}, 400, "max_new_tokens", ["at most 64"]),
@@ -148,11 +148,25 @@ def test_bad_request_is_named(client, fields, status, param, words):
 
 
 def test_bad_bodies(client):
-    post = lambda content: client.post("/v1/audio/speech", content=content)  # noqa: E731
+    json_headers = {"content-type": "application/json"}
+    post = lambda content: client.post("/v1/audio/speech", content=content, headers=json_headers)  # noqa: E731
     _error(post(b"{not json"), 400, None, "not valid JSON")
     _error(post(b"[1, 2]"), 400, None, "JSON object", "list")
     _error(post(b"\xff\xfe"), 400, None, "not valid JSON")
     _error(post(b'{"input": "' + b"a" * 5000 + b'"}'), 413, None, "4096")
+    _error(post(b"[" * 2000 + b"]" * 2000), 400, None, "nested too deeply")
+    _error(post(b'{"input": "\\ud800 lone", "voice": "ryan"}'), 400, "input", "not valid Unicode")
+
+
+def test_json_endpoints_take_only_json(client):
+    """A cross-site page can POST text/plain without asking first (a CORS simple request): refused."""
+    body = b'{"input": "Hello.", "voice": "ryan"}'
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"content-type": content_type} if content_type else {}
+        r = client.post("/v1/audio/speech", content=body, headers=headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", r.text
+    ok = client.post("/v1/audio/speech", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert ok.status_code != 415
 
 
 def test_unknown_routes_and_methods_get_openai_errors(client):

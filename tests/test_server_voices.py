@@ -138,13 +138,13 @@ def test_bad_uploads_and_names_are_refused(engines, ref_wav, tmp_path):
         silent = wav_bytes(np.zeros(ESPEAK_RATE * 2, np.float32))
         error_of(upload(client, "silent", silent, ref_text=REF_TEXT), 400, "audio", "silent")
         long = wav_bytes(np.tile(audio, 2))  # 5.4 s, over max_reference_s 4
-        assert error_of(upload(client, "long", long, x_vector_only="1"), 400, "audio", "at most 4 s")["code"] == (
+        assert error_of(upload(client, "long", long, x_vector_only="1"), 400, "audio", "the limit is 4 s")["code"] == (
             "audio_too_long"
         )
         error_of(upload(client, "notext", ref_wav), 400, "ref_text", "transcript", "x_vector_only")
         error_of(upload(client, "both", ref_wav, ref_text=REF_TEXT, x_vector_only="yes"), 400, "ref_text", "not used")
         error_of(upload(client, "flag", ref_wav, x_vector_only="maybe"), 400, "x_vector_only", "'maybe'")
-        error_of(upload(client, "extra", ref_wav, x_vector_only="1", speaker="me"), 400, "speaker", "unknown field")
+        error_of(upload(client, "extra", ref_wav, x_vector_only="1", speaker="me"), 400, "speaker", "unknown parameter")
         big = client.post("/v1/audio/voices", data={"name": "big"}, files={"audio": ("a.wav", b"\0" * 300_001)})
         assert error_of(big, 413, None, "300000")["code"] == "body_too_large"
         as_json = client.post("/v1/audio/voices", json={"name": "j", "audio": "UklGRg=="})

@@ -14,12 +14,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from starlette.requests import Request as HttpRequest
-
 from ..engine import Engine
 from ..live import TextFeed
 from ..request import Request, validate_options
 from ..sampling import SamplingOptions
+from .bodies import refuse_unknown
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
 from .formats import UNSUPPORTED, AudioFormat
@@ -49,35 +48,10 @@ class SpeechBody:
     stream_format: str  # "audio" (the encoded bytes) or "sse" (base64 events)
 
 
-async def read_body(request: HttpRequest, limit: int) -> bytes:
-    """The whole request body, refused with 413 as soon as it is known to be over `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def json_object(raw: bytes, what: str = "request body") -> dict:
-    """Parse a JSON object; anything else is a 400."""
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the {what} must be a JSON object, got {type(body).__name__}", code="invalid_json")
-    return body
-
-
 def speech_body(
     body: dict, engine: Engine, config: ServerConfig, formats: dict[str, AudioFormat], voices: VoiceStore | None
 ) -> SpeechBody:
-    _refuse_unknown(body, SPEECH_FIELDS)
+    refuse_unknown(body, SPEECH_FIELDS)
     model = body.get("model")
     if model is not None and model != config.model_name:
         raise ApiError(
@@ -108,7 +82,7 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
     so that a WebSocket session is refused when it is set, not at its first text.
     """
     if check:
-        _refuse_unknown(body, SESSION_FIELDS)
+        refuse_unknown(body, SESSION_FIELDS, "session")
     options = {name: body[name] for name in ENGINE_FIELDS if name in body and body[name] is not None}
     options["voice"] = _voice(body.get("voice"))
     options["instruct"] = _string(body, "instructions", limits.max_instructions_chars)
@@ -150,17 +124,6 @@ def _engine_call(call, *args, **kwargs):
         return call(*args, **kwargs)
     except ValueError as e:
         raise from_engine(e) from None
-
-
-def _refuse_unknown(body: dict, known: tuple[str, ...]) -> None:
-    for name in body:
-        if name not in known:
-            raise ApiError(
-                400,
-                f"unknown parameter {name!r}; valid parameters: {', '.join(known)}",
-                param=name,
-                code="unknown_parameter",
-            )
 
 
 def _string(body: dict, name: str, max_chars: int, required: bool = False) -> str | None:

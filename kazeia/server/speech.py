@@ -17,9 +17,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from .bodies import json_object, read_body, require_json
 from .errors import ApiError
 from .metrics import ServerMetrics
-from .params import json_object, read_body, speech_body
+from .params import speech_body
 from .state import server_state
 from .worker import Busy, Job, Outcome
 
@@ -31,6 +32,7 @@ router = APIRouter()
 async def speech(request: Request) -> StreamingResponse:
     s = server_state(request)
     s.metrics.requests.inc(route=ROUTE)
+    require_json(request)
     body = json_object(await read_body(request, s.config.limits.max_body_bytes))
     parsed = speech_body(body, s.engine, s.config, s.formats, s.voices)
     encoder = parsed.audio_format.make()

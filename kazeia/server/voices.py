@@ -27,12 +27,13 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
 from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
 
-from ..audio import load_reference_audio
+from ..audio import ReferenceLimitError, load_reference_audio
 from ..engine import Engine
+from ..errors import RequestError
 from ..voices import Voice
+from .bodies import read_body, refuse_unknown
 from .config import Limits
 from .errors import ApiError
-from .params import read_body
 from .state import server_state
 
 log = logging.getLogger("kazeia.server")
@@ -174,21 +175,13 @@ class VoiceStore:
     def _clone(self, data: bytes, ref_text: str | None, x_vector_only: bool) -> Voice:
         rate = self.engine.cloner.encoder.cfg.sample_rate
         try:
-            audio = load_reference_audio(data, rate)
-            seconds, limit = len(audio) / rate, self.limits.max_reference_s
-            if seconds > limit:
-                raise ApiError(
-                    400,
-                    f"the reference audio is {seconds:.1f} s long; this server takes at most {limit:g} s "
-                    "(3-10 s of clean speech work best)",
-                    param="audio",
-                    code="audio_too_long",
-                )
+            # Bounded from its header before a sample is decoded (duration, rate, channels, size).
+            audio = load_reference_audio(data, rate, max_seconds=self.limits.max_reference_s)
             return self.engine.create_voice((audio, rate), ref_text=ref_text, x_vector_only=x_vector_only)
         except ValueError as e:
-            message = str(e)
-            param = next((p for p in ("ref_text", "x_vector_only") if message.startswith(p)), "audio")
-            raise ApiError(400, message, param=param) from None
+            param = e.field if isinstance(e, RequestError) else "audio"
+            code = "audio_too_long" if isinstance(e, ReferenceLimitError) and e.too_long else "invalid_value"
+            raise ApiError(400, str(e), param=param, code=code) from None
 
     def delete(self, name: str) -> None:
         with self._lock:
@@ -287,13 +280,7 @@ async def _upload(request: Request, body: bytes) -> tuple[str, bytes, str | None
     try:
         fields: dict[str, object] = {}
         for key, value in form.multi_items():
-            if key not in UPLOAD_FIELDS:
-                raise ApiError(
-                    400,
-                    f"unknown field {key!r}; valid fields: {', '.join(UPLOAD_FIELDS)}",
-                    param=key,
-                    code="unknown_parameter",
-                )
+            refuse_unknown({key: value}, UPLOAD_FIELDS, "a voice upload")
             if key in fields:
                 raise ApiError(400, f"the field {key!r} is given twice", param=key)
             fields[key] = value

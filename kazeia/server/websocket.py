@@ -34,9 +34,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..audio import SAMPLE_RATE
 from ..live import TextFeed
 from ..request import Request
+from .bodies import json_object, refuse_unknown
 from .errors import ApiError
 from .formats import Encoder
-from .params import check_length, json_object, prepare, session_options
+from .params import check_length, prepare, session_options
 from .state import ServerState, server_state
 from .worker import Busy, Job, Outcome
 
@@ -97,7 +98,7 @@ class _Session:
         limit = self.config.limits.max_body_bytes
         if len(raw) > limit:
             raise ApiError(413, f"the message is over the limit of {limit} bytes", code="body_too_large")
-        body = json_object(raw.encode(), "message")
+        body = json_object(raw, "message")
         kind = body.get("type")
         if kind not in MESSAGE_TYPES:
             raise ApiError(
@@ -106,7 +107,7 @@ class _Session:
                 param="type",
                 code="unknown_message_type",
             )
-        _check_fields(body, FIELDS[kind])
+        refuse_unknown(body, FIELDS[kind], repr(kind), ignore=("type",))
         if kind == "session.update":
             await self.update(body.get("session"))
         elif kind == "input_text":
@@ -249,13 +250,6 @@ def _failure(outcome: Outcome) -> ApiError:
         message = "input " + outcome.error[len("text ") :] if outcome.error.startswith("text ") else outcome.error
         return ApiError(400, message, param="text")
     return ApiError(500, f"generation failed: {outcome.error}", code="internal_error")
-
-
-def _check_fields(body: dict, allowed: tuple[str, ...]) -> None:
-    for name in body:
-        if name != "type" and name not in allowed:
-            valid = ", ".join(("type", *allowed))
-            raise ApiError(400, f"unknown field {name!r} in {body['type']!r}; valid: {valid}", param=name)
 
 
 def _done(number: int, status: str, outcome: Outcome | None) -> dict:

@@ -1,0 +1,65 @@
+"""Reading what a client sends: bounded bodies, JSON objects, and the one rule for unknown fields.
+
+Shared by the HTTP routes and the WebSocket so that each refusal is written once: a body over its
+byte limit is a 413, one that is not JSON (or too deeply nested to parse) a 400, a JSON endpoint
+called without `Content-Type: application/json` a 415 (a browser's cross-site "simple request"
+cannot set that type without asking first), an unknown field a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request as HttpRequest
+
+from .errors import ApiError
+
+
+async def read_body(request: HttpRequest, limit: int) -> bytes:
+    """The whole request body, refused with 413 as soon as it is known to be over `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def require_json(request: HttpRequest) -> None:
+    """A JSON endpoint's body must say it is JSON."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        shown = media_type or "none"
+        raise ApiError(
+            415, f"send the body as Content-Type: application/json (got {shown})", code="unsupported_media_type"
+        )
+
+
+def json_object(raw: bytes | str, what: str = "request body") -> dict:
+    """Parse a JSON object; anything else is a 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ApiError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the {what} is nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the {what} must be a JSON object, got {type(body).__name__}", code="invalid_json")
+    return body
+
+
+def refuse_unknown(body: dict, known: tuple[str, ...], where: str = "", ignore: tuple[str, ...] = ()) -> None:
+    """A 400 naming the first field of `body` that is neither `known` nor in `ignore`."""
+    for name in body:
+        if name not in known and name not in ignore:
+            place = f" in {where}" if where else ""
+            raise ApiError(
+                400,
+                f"unknown parameter {name!r}{place}; valid parameters: {', '.join((*ignore, *known))}",
+                param=name,
+                code="unknown_parameter",
+            )
