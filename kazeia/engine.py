@@ -305,16 +305,19 @@ class Engine:
         non_streaming_mode: bool | None = None,
         text_timeout: float | None = 30.0,
         text_deadline: float | None = None,
+        position_limit: int | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> Request:
         """Validate a call's arguments and resolve names to ids (kazeia/request.py): a `Request`
         for `frames` or `stream_request`; raises RequestError on anything wrong. A text source
-        (not a string) starts being read now."""
+        (not a string) starts being read now. `position_limit`: a bound of the caller's (a
+        server's) on prompt + max_new_tokens, below the model's own."""
         return build_request(
             self.rules,
             text,
             text_timeout,
             text_deadline,
+            position_limit,
             voice=voice,
             language=language,
             instruct=instruct,

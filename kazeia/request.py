@@ -63,6 +63,7 @@ class Request:
     seed: int  # drives every random draw; the same seed gives the same bytes
     live: LiveText | None = None  # text still arriving (a text source rather than a string)
     prompt_positions: int = 0  # talker positions of the prompt (live text: without the text)
+    position_limit: int | None = None  # a caller's bound on prompt + max_new_tokens (a server's)
 
 
 def validate_options(
@@ -96,13 +97,15 @@ def build_request(
     text: TextSource,
     text_timeout: float | None = 30.0,
     text_deadline: float | None = None,
+    position_limit: int | None = None,
     **options,
 ) -> Request:
     """A whole text, or a source of text still arriving (an iterable or async iterable of deltas,
     or a `TextFeed`, read from now on; `text_timeout`: seconds it may go without new text, None for
     no limit; `text_deadline`: seconds, from when generation starts waiting for it, within which it
     must end, None for none; its default layout is the one that reads the text while generating,
-    `non_streaming_mode=False`), with `options` as `validate_options` takes them."""
+    `non_streaming_mode=False`), with `options` as `validate_options` takes them.
+    `position_limit`: prompt + max_new_tokens at most this (below the model's own positions)."""
     if isinstance(text, str):
         check_text("text", text)
         if not text.strip():
@@ -111,7 +114,8 @@ def build_request(
         ids = rules.tokenizer.assistant_ids(text)
         if not has_text(ids):
             raise RequestError("text", "text produced no tokens")
-        return bounded(rules, replace(base, text_ids=tuple(ids)), len(ids) - TEMPLATE_IDS)
+        request = replace(base, text_ids=tuple(ids), position_limit=position_limit)
+        return bounded(rules, request, len(ids) - TEMPLATE_IDS)
     if isinstance(text, (bytes, bytearray)):
         raise RequestError("text", "text must be a string or a source of strings, not bytes")
     if not isinstance(text, (Iterable, AsyncIterable, TextFeed)):
@@ -122,7 +126,7 @@ def build_request(
             raise RequestError(name, f"{name} must be a number of seconds > 0 or None, got {value!r}")
     if options.get("non_streaming_mode") is None:
         options["non_streaming_mode"] = False
-    base = bounded(rules, validate_options(rules, **options), 0)
+    base = bounded(rules, replace(validate_options(rules, **options), position_limit=position_limit), 0)
     live = LiveText(rules.tokenizer, as_feed(text), text_timeout, deadline=text_deadline)  # starts reading it
     return replace(base, live=live)
 
@@ -131,15 +135,17 @@ def bounded(rules: Rules, request: Request, text_tokens: int) -> Request:
     """`request` with its prompt's positions, once prompt + max_new_tokens fit the talker's
     positions (a RequestError naming the part that does not fit, before any work)."""
     positions = prompt_positions(request.cond, text_tokens, request.non_streaming_mode)
-    limit = rules.cfg.talker.stack.max_positions
+    limit, whose = rules.cfg.talker.stack.max_positions, "the model's"
+    if request.position_limit is not None and request.position_limit < limit:
+        limit, whose = request.position_limit, "the allowed"
     wanted = request.options.max_new_tokens
     if positions >= limit:
         field = "text" if text_tokens else "voice"
-        raise RequestError(field, f"the prompt takes {positions} positions; the model has {limit} in all")
+        raise RequestError(field, f"the prompt takes {positions} positions; {whose} are {limit} in all")
     if positions + wanted > limit:
         raise RequestError(
             "max_new_tokens",
-            f"max_new_tokens {wanted} after a prompt of {positions} positions exceeds the model's {limit} "
+            f"max_new_tokens {wanted} after a prompt of {positions} positions exceeds {whose} {limit} "
             f"positions; ask for at most {limit - positions}",
         )
     return replace(request, prompt_positions=positions)

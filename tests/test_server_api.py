@@ -138,7 +138,7 @@ BAD = [
     ({"instructions": "Speak softly."}, 400, "instructions", ["0.6B", "instructions"]),
     ({"instructions": "x" * 101}, 400, "instructions", ["101", "100"]),
     ({"emotion": "happy"}, 400, "emotion", ["unknown parameter", "voice"]),
-    ({"model": "tts-1"}, 404, "model", ["tts-1", "tiny-custom"]),
+    ({"model": "whisper-1"}, 404, "model", ["whisper-1", "tiny-custom", "tts-1"]),
 ]
 
 
@@ -228,3 +228,17 @@ def test_voice_design_takes_no_voice_and_needs_instructions(engines):
         _error(post(), 400, "instructions", "VoiceDesign", "instructions")
         voices = client.get("/v1/audio/voices").json()
         assert voices["data"] == [] and voices["supports_instructions"] is True
+
+
+def test_inputs_are_bounded_in_tokens_and_positions(engines):
+    """Characters are not tokens: 300 rare characters stay under a character limit and make far
+    more tokens; prompt + max_new_tokens are held to the server's positions too. Refused before any
+    generation, naming the field."""
+    limits = Limits(max_input_chars=4096, max_input_tokens=100, max_positions=150, max_new_tokens=64)
+    with TestClient(create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", limits=limits))) as client:
+        rare = "\U00013000" * 300  # Egyptian hieroglyphs: several tokens each
+        _error(speech(client, input=rare), 400, "input", "tokens long", "at most 100")
+        words = " ".join(["word"] * 90)  # under 100 tokens, but its prompt + 64 frames exceed 150 positions
+        _error(speech(client, input=words, max_new_tokens=64), 400, "max_new_tokens", "allowed 150 positions")
+        r = speech(client, input="Short.", max_new_tokens=5, response_format="pcm")
+        assert r.status_code == 200

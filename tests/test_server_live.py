@@ -78,6 +78,20 @@ def test_openai_client_streams_a_valid_wav(live, engines, tmp_path):
     assert_pcm_close(streamed_wav_pcm(data), expected)
 
 
+@pytest.mark.parametrize("model", ["tts-1", "gpt-4o-mini-tts"])
+def test_apps_written_for_openai_name_its_models(live, model, tmp_path):
+    """OpenAI's model ids are accepted for the served model (apps that know only those work)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0)
+    with client.audio.speech.with_streaming_response.create(
+        model=model, voice="serena", input=TEXT, response_format="wav", extra_body={"max_new_tokens": 5}
+    ) as response:
+        data = response.read()
+    (tmp_path / "app.wav").write_bytes(data)
+    audio, rate = sf.read(tmp_path / "app.wav", dtype="int16")
+    assert rate == 24000 and 1 <= len(audio) // 1920 <= 4
+
+
 def test_openai_client_sse_and_errors(live):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0)

@@ -179,3 +179,12 @@ def test_other_checkpoints_have_no_saved_voices(engines, ref_wav, tmp_path):
         assert error_of(r, 400, None, "needs a Base checkpoint")["code"] == "unsupported_model"
         error_of(client.delete("/v1/audio/voices/serena"), 404, None, "no saved voices")
     assert not (tmp_path / "unused").exists()
+
+
+def test_a_voice_transcript_is_bounded_in_tokens(engines, ref_wav, tmp_path):
+    limits = Limits(max_new_tokens=64, max_upload_bytes=300_000, max_reference_s=4.0, max_ref_text_tokens=20)
+    app = create_app(engines["0.6B-base"], ServerConfig("tiny-base", limits=limits, voices_dir=tmp_path))
+    with TestClient(app) as client:
+        long_text = "a transcript far longer than twenty tokens, " * 4
+        error_of(upload(client, "chatty", ref_wav, ref_text=long_text), 400, "ref_text", "tokens long", "at most 20")
+        assert not (tmp_path / "chatty.voice").exists()

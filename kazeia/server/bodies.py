@@ -63,3 +63,27 @@ def refuse_unknown(body: dict, known: tuple[str, ...], where: str = "", ignore: 
                 param=name,
                 code="unknown_parameter",
             )
+
+
+def check_length(param: str, length: int, limit: int, subject: str | None = None) -> None:
+    """The server's one "too long" rule: a text of `length` characters over `limit` is a 400
+    naming the field (`subject` describes it where the field name alone would not)."""
+    if length > limit:
+        what = f"{subject} would be" if subject else f"{param} is"
+        raise ApiError(
+            400,
+            f"{what} {length} characters long; this server accepts at most {limit}",
+            param=param,
+            code="string_above_max_length",
+        )
+
+
+def check_tokens(param: str, tokens: int, limit: int) -> None:
+    """The token rule beside the character one: a text over `limit` tokens is a 400 naming it."""
+    if tokens > limit:
+        raise ApiError(
+            400,
+            f"{param} is {tokens} tokens long; this server accepts at most {limit}",
+            param=param,
+            code="string_above_max_length",
+        )

@@ -24,6 +24,17 @@ class Limits:
     max_pending_utterances: int = 8  # texts a WebSocket may queue behind the one being spoken
     max_upload_bytes: int = 16 << 20  # size of a voice upload (the multipart body)
     max_reference_s: float = 30.0  # length of a voice's reference audio (its codes join every ICL prompt)
+    # In tokens as well as characters: 4096 rare characters can make ~12,000 tokens.
+    max_input_tokens: int = 4096  # text tokens of `input` (a live text: of all of it, once it has ended)
+    max_instructions_tokens: int = 1024  # tokens of `instructions`
+    max_ref_text_tokens: int = 1024  # tokens of a cloned voice's transcript
+    # Talker positions of prompt + max_new_tokens (the KV cache grows with them: ~224 KiB each at the
+    # released sizes); also bounded by the model's own positions.
+    max_positions: int = 8192
+    max_buffered_bytes: int = 8 << 20  # encoded audio an utterance may hold for a client that reads slowly
+    client_stall_s: float = 30.0  # a client that takes none of it for this long is cancelled as if gone
+    max_voices: int = 256  # saved voices in the voices directory
+    max_voices_bytes: int = 512 << 20  # their files' total size
 
     def __post_init__(self) -> None:
         for name in (
@@ -32,6 +43,12 @@ class Limits:
             "max_body_bytes",
             "max_pending_utterances",
             "max_upload_bytes",
+            "max_input_tokens",
+            "max_instructions_tokens",
+            "max_ref_text_tokens",
+            "max_buffered_bytes",
+            "max_voices",
+            "max_voices_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -41,6 +58,12 @@ class Limits:
             raise ValueError("max_temperature and max_repetition_penalty must be > 0")
         if not self.max_reference_s > 0:
             raise ValueError(f"max_reference_s must be > 0, got {self.max_reference_s!r}")
+        if not self.client_stall_s > 0:
+            raise ValueError(f"client_stall_s must be > 0, got {self.client_stall_s!r}")
+        if self.max_positions < self.max_new_tokens:
+            raise ValueError(
+                f"max_positions ({self.max_positions}) must be at least max_new_tokens ({self.max_new_tokens})"
+            )
 
 
 @dataclass(frozen=True)
@@ -54,9 +77,13 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     # Base checkpoints: where uploaded voices are kept (`NAME.voice`); created at start if missing.
     voices_dir: str | os.PathLike = DEFAULT_VOICES_DIR
-    # Live text (WebSocket `input_text.append`): seconds the worker waits for the next delta before
-    # the utterance fails with `text_timeout` (the worker is held meanwhile, so keep it short).
+    # Live text (WebSocket `input_text.append`): seconds the worker waits for new text (blank deltas
+    # do not count) before the utterance fails with `text_timeout` (the worker is held meanwhile, so
+    # keep it short), and seconds within which its text must end (`text_deadline`).
     text_timeout: float = 10.0
+    text_deadline: float = 300.0
+    # Apps written for OpenAI name its models; these ids are accepted for the served model too.
+    model_aliases: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
@@ -65,9 +92,12 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        timeout = self.text_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"text_timeout must be a number of seconds > 0, got {timeout!r}")
+        for name in ("text_timeout", "text_deadline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not all(isinstance(a, str) and a.strip() for a in self.model_aliases):
+            raise ValueError(f"model_aliases must be non-empty strings, got {self.model_aliases!r}")
         if not isinstance(self.voices_dir, (str, os.PathLike)) or not str(self.voices_dir).strip():
             raise ValueError(f"voices_dir must be a directory path, got {self.voices_dir!r}")
 

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from ..engine import Engine
 from ..live import TextFeed
-from ..request import Request, validate_options
+from ..request import Request, check_text, validate_options
 from ..sampling import SamplingOptions
-from .bodies import refuse_unknown
+from .bodies import check_length, check_tokens, refuse_unknown
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
 from .formats import UNSUPPORTED, AudioFormat
@@ -53,10 +53,11 @@ def speech_body(
 ) -> SpeechBody:
     refuse_unknown(body, SPEECH_FIELDS)
     model = body.get("model")
-    if model is not None and model != config.model_name:
+    if model is not None and model != config.model_name and model not in config.model_aliases:
+        aliases = f" (also answering to {', '.join(config.model_aliases)})" if config.model_aliases else ""
         raise ApiError(
             404,
-            f"unknown model {model!r}; this server serves {config.model_name!r}",
+            f"unknown model {model!r}; this server serves {config.model_name!r}{aliases}",
             param="model",
             code="model_not_found",
         )
@@ -71,7 +72,7 @@ def speech_body(
             param="stream_format",
         )
     options = session_options(body, engine, config.limits, voices, check=False)
-    return SpeechBody(prepare(engine, text, options, voices, text_timeout=None), audio_format, stream_format)
+    return SpeechBody(prepare(engine, text, options, voices, config), audio_format, stream_format)
 
 
 def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceStore | None, check: bool = True) -> dict:
@@ -95,13 +96,27 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
 
 
 def prepare(
-    engine: Engine, text: str | TextFeed, options: dict, voices: VoiceStore | None, *, text_timeout: float | None
+    engine: Engine, text: str | TextFeed, options: dict, voices: VoiceStore | None, config: ServerConfig
 ) -> Request:
     """What the worker will speak: a whole text, or a live text's feed (checked as it arrives: an
-    empty one fails the utterance, a pause over `text_timeout` seconds too), validated with its
-    options and its seed fixed."""
+    empty one fails the utterance, so do a pause over `text_timeout` and a text not ended within
+    `text_deadline`), validated with its options, held to the server's token and position limits,
+    its seed fixed."""
+    limits = config.limits
+    if isinstance(text, str):  # tokens first: the most specific refusal for a text too long
+        _engine_call(check_text, "text", text)
+        check_tokens("input", len(engine.tokenizer.text_ids(text)), limits.max_input_tokens)
     resolved = {**options, "voice": resolve_voice(engine, options.get("voice"), voices)}
-    return _engine_call(engine.request, text, text_timeout=text_timeout, **resolved)
+    request: Request = _engine_call(
+        engine.request,
+        text,
+        text_timeout=config.text_timeout,
+        text_deadline=config.text_deadline,
+        position_limit=limits.max_positions,
+        **resolved,
+    )
+    check_tokens("instructions", len(request.cond.instruct_ids or ()), limits.max_instructions_tokens)
+    return request
 
 
 def resolve_voice(engine: Engine, voice: str | None, voices: VoiceStore | None):
@@ -136,19 +151,6 @@ def _string(body: dict, name: str, max_chars: int, required: bool = False) -> st
         raise ApiError(400, f"{name} must be a string, got {type(value).__name__}", param=name)
     check_length(name, len(value), max_chars)
     return value
-
-
-def check_length(param: str, length: int, limit: int, subject: str | None = None) -> None:
-    """The server's one "too long" rule: a text of `length` characters over `limit` is a 400
-    naming the field (`subject` describes it where the field name alone would not)."""
-    if length > limit:
-        what = f"{subject} would be" if subject else f"{param} is"
-        raise ApiError(
-            400,
-            f"{what} {length} characters long; this server accepts at most {limit}",
-            param=param,
-            code="string_above_max_length",
-        )
 
 
 def _voice(value) -> str | None:

@@ -31,7 +31,7 @@ from ..audio import ReferenceLimitError, load_reference_audio
 from ..engine import Engine
 from ..errors import RequestError
 from ..voices import Voice
-from .bodies import read_body, refuse_unknown
+from .bodies import check_tokens, read_body, refuse_unknown
 from .config import Limits
 from .errors import ApiError
 from .state import server_state
@@ -175,9 +175,15 @@ class VoiceStore:
     def _clone(self, data: bytes, ref_text: str | None, x_vector_only: bool) -> Voice:
         rate = self.engine.cloner.encoder.cfg.sample_rate
         try:
+            if ref_text is not None:
+                tokens = len(self.engine.tokenizer.text_ids(ref_text)) if isinstance(ref_text, str) else 0
+                check_tokens("ref_text", tokens, self.limits.max_ref_text_tokens)
             # Bounded from its header before a sample is decoded (duration, rate, channels, size).
             audio = load_reference_audio(data, rate, max_seconds=self.limits.max_reference_s)
-            return self.engine.create_voice((audio, rate), ref_text=ref_text, x_vector_only=x_vector_only)
+            voice = self.engine.create_voice((audio, rate), ref_text=ref_text, x_vector_only=x_vector_only)
+            # Its prompt must leave room to speak under the server's position limit.
+            self.engine.request("-", voice=voice, max_new_tokens=2, position_limit=self.limits.max_positions)
+            return voice
         except ValueError as e:
             param = e.field if isinstance(e, RequestError) else "audio"
             code = "audio_too_long" if isinstance(e, ReferenceLimitError) and e.too_long else "invalid_value"

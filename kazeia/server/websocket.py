@@ -130,7 +130,7 @@ class _Session:
         """`input_text`: one whole utterance."""
         self._check_text(text, len(text) if isinstance(text, str) else 0)
         self._admit()
-        self._enqueue(prepare(self.engine, text, self.options, self.voices, text_timeout=None))
+        self._enqueue(prepare(self.engine, text, self.options, self.voices, self.config))
 
     async def append(self, text) -> None:
         """`input_text.append`: more text for the open utterance, or the first text of a new one."""
@@ -139,9 +139,7 @@ class _Session:
             self._check_text(text, len(text) if isinstance(text, str) else 0)
             self._admit()
             feed = TextFeed()
-            utterance = self._enqueue(
-                prepare(self.engine, feed, self.options, self.voices, text_timeout=self.config.text_timeout), feed
-            )
+            utterance = self._enqueue(prepare(self.engine, feed, self.options, self.voices, self.config), feed)
             self.open = utterance
         elif not isinstance(text, str):
             raise ApiError(400, "text must be a string", param="text")
