@@ -104,7 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP/WebSocket API and the demo page")
     _model_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    srv.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    srv.add_argument("--port", type=_port, default=8000, help="port to listen on (default: %(default)s)")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("KAZEIA_API_KEY"),
+        help="require Authorization: Bearer KEY on every request but the demo page and /health "
+        "(default: $KAZEIA_API_KEY, else none)",
+    )
+    srv.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web page origin (https://app.example) that may call the server, with CORS; repeatable",
+    )
+    srv.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another model id to answer to, besides tts-1, tts-1-hd and gpt-4o-mini-tts; repeatable",
+    )
     server, limits = _defaults(ServerConfig), _defaults(Limits)
     srv.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
     for flag, default, kind, help in (
@@ -118,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Base checkpoints: directory of the saved voices, created if missing",
         ),
         ("--text-timeout", server["text_timeout"], float, "seconds a live WebSocket text may pause before it fails"),
+        ("--text-deadline", server["text_deadline"], float, "seconds within which a live WebSocket text must end"),
+        ("--max-connections", server["max_connections"], int, "open connections at once; more get 503"),
+        ("--ws-idle-timeout", server["ws_idle_s"], float, "seconds an idle WebSocket stays open"),
+        ("--max-voices", limits["max_voices"], int, "Base checkpoints: saved voices at most"),
     ):
         srv.add_argument(flag, type=kind, default=default, help=f"{help} (default: %(default)s)")
     _chunk_args(srv, server["first_chunk_frames"], server["chunk_frames"])
@@ -130,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--real-size", action="store_true", help="real dimensions (GBs) instead of tiny ones")
     rnd.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _port(value: str) -> int:
+    port = int(value)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, not {port}")
+    return port
 
 
 def _chunk_args(p: argparse.ArgumentParser, first: int, rest: int) -> None:
@@ -251,7 +282,9 @@ def _serve(args) -> int:
     name = args.served_model_name or (
         os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     )
-    limits = Limits(max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens)
+    limits = Limits(
+        max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens, max_voices=args.max_voices
+    )
     config = ServerConfig(
         name,
         args.queue_size,
@@ -260,6 +293,12 @@ def _serve(args) -> int:
         limits,
         voices_dir=args.voices_dir,
         text_timeout=args.text_timeout,
+        text_deadline=args.text_deadline,
+        model_aliases=(*_defaults(ServerConfig)["model_aliases"], *args.model_alias),
+        allowed_origins=tuple(args.allowed_origin),
+        api_key=args.api_key or None,
+        max_connections=args.max_connections,
+        ws_idle_s=args.ws_idle_timeout,
     )
     serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -18,6 +18,7 @@ from selenium import webdriver
 from server_support import LiveServer
 
 from kazeia.server import ServerConfig, create_app
+from kazeia.server.guard import loopback_hosts
 
 CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 ARTIFACTS = Path(os.environ.get("KAZEIA_ARTIFACTS", Path(__file__).resolve().parent.parent / "artifacts"))
@@ -60,10 +61,14 @@ def _wait(driver, script: str, timeout: float = 60):
     raise AssertionError(f"timed out waiting for {script!r}; page state: {state}")
 
 
-def test_demo_page_streams_and_plays_audio(engines, browser, tmp_path):
-    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom"))
+@pytest.mark.parametrize("key", [None, "demo-key-0123"], ids=["open", "api-key"])
+def test_demo_page_streams_and_plays_audio(engines, browser, tmp_path, key):
+    # As `kazeia serve` runs it on 127.0.0.1: loopback Host names only, the page's own origin; with
+    # a key, the page is opened as /#api_key=KEY and sends it on every request and the socket.
+    config = ServerConfig("tiny-custom", allowed_hosts=loopback_hosts("127.0.0.1"), api_key=key)
+    app = create_app(engines["0.6B-custom"], config)
     with LiveServer(app) as server:
-        browser.get(server.url + "/")
+        browser.get(server.url + "/" + (f"#api_key={key}" if key else ""))
         _wait(browser, "return document.getElementById('voice').options.length > 0", 30)
         assert browser.title == "Kazeia"
         assert "tiny-custom" in browser.find_element("id", "model").text

@@ -177,3 +177,25 @@ def test_wav_from_the_server_reads_with_soundfile(live):
         r = client.post("/v1/audio/speech", json=_body(response_format="wav", max_new_tokens=5, ignore_eos=True))
     audio, rate = sf.read(io.BytesIO(r.content))
     assert rate == 24000 and len(audio) == 4 * 1920
+
+
+def test_a_client_that_reads_nothing_is_cancelled_not_buffered(engines):
+    """A client that sends a request and never reads: the utterance holds at most
+    max_buffered_bytes for it, and is cancelled after client_stall_s, as if the client had left."""
+    import json
+    import socket
+
+    limits = Limits(max_new_tokens=1200, max_buffered_bytes=16_000, client_stall_s=1.0)
+    with LiveServer(create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", limits=limits))) as server:
+        body = json.dumps(_body(response_format="pcm", ignore_eos=True, max_new_tokens=1200)).encode()
+        head = "POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        request = head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        with socket.create_connection(("127.0.0.1", server.port)) as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # keep the kernel's share small
+            client.sendall(request)
+            worker = server.app.state.kazeia.worker
+            deadline = time.monotonic() + 60
+            while not worker.records and time.monotonic() < deadline:
+                time.sleep(0.05)
+            record = worker.records[0]
+        assert record.status == "cancelled" and record.frames < 1199  # stopped long before its end

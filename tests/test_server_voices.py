@@ -107,8 +107,9 @@ def test_create_list_speak_and_delete(engines, ref_wav, tmp_path):
         r = client.delete("/v1/audio/voices/me")
         assert r.status_code == 200 and r.json() == {"id": "me", "object": "voice", "deleted": True}
         assert not (tmp_path / "me.voice").exists()
-        error_of(client.delete("/v1/audio/voices/me"), 404, None, "unknown voice 'me'", "narrator-2")
-        error_of(speak(client, "me"), 400, "voice", "unknown voice 'me'", "saved voices: narrator-2")
+        error_of(client.delete("/v1/audio/voices/me"), 404, None, "unknown voice 'me'", "1 saved voice")
+        error_of(speak(client, "me"), 400, "voice", "unknown voice 'me'", "1 saved voice (GET /v1/audio/voices")
+        error_of(speak(client, "narator-2"), 400, "voice", "close matches: narrator-2")
         assert [v["id"] for v in client.get("/v1/audio/voices").json()["data"]] == ["narrator-2"]
 
 
@@ -152,7 +153,7 @@ def test_bad_uploads_and_names_are_refused(engines, ref_wav, tmp_path):
         error_of(client.delete("/v1/audio/voices/taken.voice"), 400, "name", "not a valid voice name")
         assert client.delete("/v1/audio/voices/..%2Ftaken").status_code == 404  # no route: a name has no '/'
         for voice in ("../taken", "/etc/passwd", str(tmp_path / "taken.voice"), "taken.voice"):
-            error_of(speak(client, voice), 400, "voice", "unknown voice", "saved voices: taken")
+            error_of(speak(client, voice), 400, "voice", "unknown voice", "1 saved voice")
         error_of(speak(client, None), 400, "voice", "voice is required", "POST /v1/audio/voices")
         error_of(speak(client, "taken", instructions="Softly."), 400, "instructions", "Base")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.voice"]  # nothing else was written
@@ -188,3 +189,15 @@ def test_a_voice_transcript_is_bounded_in_tokens(engines, ref_wav, tmp_path):
         long_text = "a transcript far longer than twenty tokens, " * 4
         error_of(upload(client, "chatty", ref_wav, ref_text=long_text), 400, "ref_text", "tokens long", "at most 20")
         assert not (tmp_path / "chatty.voice").exists()
+
+
+def test_saved_voices_are_bounded_in_number(engines, ref_wav, tmp_path):
+    limits = Limits(max_new_tokens=64, max_upload_bytes=300_000, max_reference_s=4.0, max_voices=2)
+    app = create_app(engines["0.6B-base"], ServerConfig("tiny-base", limits=limits, voices_dir=tmp_path))
+    with TestClient(app) as client:
+        for name in ("one", "two"):
+            assert upload(client, name, ref_wav, x_vector_only="1").status_code == 201
+        error = error_of(upload(client, "three", ref_wav, x_vector_only="1"), 409, "name", "at most 2 voices")
+        assert error["code"] == "too_many_voices" and not (tmp_path / "three.voice").exists()
+        assert client.delete("/v1/audio/voices/one").status_code == 200
+        assert upload(client, "three", ref_wav, x_vector_only="1").status_code == 201

@@ -30,13 +30,25 @@ def __getattr__(name: str):
 
 
 def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `engine` until interrupted (the `kazeia serve` command); logs one line per utterance."""
+    """Serve `engine` until interrupted (the `kazeia serve` command); logs one line per utterance.
+    On a loopback address, requests must name a loopback Host (unless `config.allowed_hosts` says
+    otherwise); elsewhere without an API key, a warning says that anyone who can reach it may use it."""
+    import dataclasses
     import logging
 
     import uvicorn
 
     from .app import create_app
+    from .guard import loopback_hosts
 
+    if config.allowed_hosts is None:
+        config = dataclasses.replace(config, allowed_hosts=loopback_hosts(host))
+    if config.allowed_hosts is None and config.api_key is None:
+        logging.getLogger("kazeia.server").warning(
+            "serving on %s without an API key: anyone who can reach this address can use the server "
+            "(and its saved voices); pass --api-key or set KAZEIA_API_KEY",
+            host,
+        )
     app = create_app(engine, config)
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=log_level.upper())
     uvicorn.run(
@@ -45,5 +57,6 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
         port=port,
         log_level=log_level,
         ws_max_size=config.limits.max_body_bytes,
+        limit_concurrency=config.max_connections,
         timeout_graceful_shutdown=5,  # streams still open after 5 s are cut; their jobs are cancelled
     )

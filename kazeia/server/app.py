@@ -11,6 +11,7 @@ import asyncio
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
@@ -19,6 +20,7 @@ from ..streaming import ChunkSchedule
 from .config import ServerConfig
 from .errors import ApiError
 from .formats import available_formats
+from .guard import Guard
 from .info import router as info_router
 from .metrics import ServerMetrics
 from .speech import router as speech_router
@@ -48,6 +50,15 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="Kazeia", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if config.allowed_origins:  # CORS headers for these pages only (none for any other)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type"],
+            expose_headers=["X-Kazeia-Seed"],
+        )
+    app.add_middleware(Guard, config=config)  # outermost: Host, Origin and API key before anything
     app.state.kazeia = ServerState(engine, config, worker, metrics, available_formats(), voices)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -84,6 +84,14 @@ class ServerConfig:
     text_deadline: float = 300.0
     # Apps written for OpenAI name its models; these ids are accepted for the served model too.
     model_aliases: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+    # Who may talk to the server (server/guard.py): the Host names it answers to (None: any;
+    # `kazeia serve` on a loopback address sets the loopback names), the pages besides its own
+    # that may call it (also given CORS headers; "*" for any), and an API key (None: none).
+    allowed_hosts: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ()
+    api_key: str | None = None
+    max_connections: int = 64  # open connections at once (uvicorn's limit_concurrency); more get 503
+    ws_idle_s: float = 300.0  # a WebSocket with nothing to say or speak for this long is closed
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
@@ -98,6 +106,16 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if not all(isinstance(a, str) and a.strip() for a in self.model_aliases):
             raise ValueError(f"model_aliases must be non-empty strings, got {self.model_aliases!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
+            raise ValueError("api_key must be a string of at least 8 characters")
+        if (
+            isinstance(self.max_connections, bool)
+            or not isinstance(self.max_connections, int)
+            or self.max_connections < 1
+        ):
+            raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
+        if not self.ws_idle_s > 0:
+            raise ValueError(f"ws_idle_s must be > 0, got {self.ws_idle_s!r}")
         if not isinstance(self.voices_dir, (str, os.PathLike)) or not str(self.voices_dir).strip():
             raise ValueError(f"voices_dir must be a directory path, got {self.voices_dir!r}")
 

@@ -36,7 +36,10 @@ async def speech(request: Request) -> StreamingResponse:
     body = json_object(await read_body(request, s.config.limits.max_body_bytes))
     parsed = speech_body(body, s.engine, s.config, s.formats, s.voices)
     encoder = parsed.audio_format.make()
-    job = Job(parsed.request, encoder, asyncio.get_running_loop())
+    limits = s.config.limits
+    job = Job(
+        parsed.request, encoder, asyncio.get_running_loop(), None, limits.max_buffered_bytes, limits.client_stall_s
+    )
     try:
         s.worker.submit(job)
     except Busy as busy:

@@ -15,6 +15,7 @@ insensitive (kept in lower case), like the preset speakers.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import logging
 import os
 import re
@@ -84,9 +85,16 @@ class VoiceStore:
         found = (p.name[: -len(SUFFIX)] for p in self.directory.glob(f"*{SUFFIX}") if p.is_file())
         return sorted(n for n in found if NAME_PATTERN.fullmatch(n))
 
-    def describe(self) -> str:
+    def describe(self, near: str | None = None) -> str:
+        """For messages: how many voices are saved and, for an unknown `near`, a few close names
+        (never the whole list, which may be long)."""
         names = self.names()
-        return f"saved voices: {', '.join(names)}" if names else "no voices are saved yet"
+        if not names:
+            return "no voices are saved yet"
+        close = difflib.get_close_matches(near, names, n=3, cutoff=0.6) if near else []
+        hint = f"; close matches: {', '.join(close)}" if close else ""
+        count = f"{len(names)} saved voice{'s' if len(names) > 1 else ''}"
+        return f"{count} (GET {ROUTE} lists them){hint}"
 
     def _load(self, name: str) -> Voice | None:
         """The saved voice `name` (a checked name), None if there is none; ValueError if unreadable."""
@@ -120,7 +128,7 @@ class VoiceStore:
                     500, f"the saved voice {key!r} cannot be read (see the server log)", code="voice_unreadable"
                 ) from None
         if voice is None:
-            raise ApiError(400, f"unknown voice {name!r}; {self.describe()}", param="voice")
+            raise ApiError(400, f"unknown voice {name!r}; {self.describe(key)}", param="voice")
         return voice
 
     def entries(self) -> list[dict]:
@@ -154,6 +162,7 @@ class VoiceStore:
         with self._lock:
             if name in self._creating or self.path(name).exists():
                 raise _exists(name)
+            self._check_room()
             self._creating.add(name)
         try:
             with self._encoding:
@@ -171,6 +180,20 @@ class VoiceStore:
         finally:
             with self._lock:
                 self._creating.discard(name)
+
+    def _check_room(self) -> None:
+        """Saved voices are bounded in number and in bytes on disk (Limits.max_voices[_bytes])."""
+        files = [p for p in self.directory.glob(f"*{SUFFIX}") if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        if len(files) + len(self._creating) >= self.limits.max_voices or size >= self.limits.max_voices_bytes:
+            most, mib = self.limits.max_voices, self.limits.max_voices_bytes >> 20
+            raise ApiError(
+                409,
+                f"this server keeps at most {most} voices and {mib} MiB of them "
+                f"({len(files)} voices, {size >> 20} MiB now); delete one first",
+                param="name",
+                code="too_many_voices",
+            )
 
     def _clone(self, data: bytes, ref_text: str | None, x_vector_only: bool) -> Voice:
         rate = self.engine.cloner.encoder.cfg.sample_rate
@@ -196,7 +219,7 @@ class VoiceStore:
             try:
                 self.path(name).unlink()
             except FileNotFoundError:
-                raise ApiError(404, f"unknown voice {name!r}; {self.describe()}", code="voice_not_found") from None
+                raise ApiError(404, f"unknown voice {name!r}; {self.describe(name)}", code="voice_not_found") from None
             self._cache.pop(name, None)
         log.info("voice %r deleted", name)
 

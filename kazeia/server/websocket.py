@@ -24,10 +24,12 @@ of one reply can never start another utterance behind the client's back.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
 
+import anyio
 from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -78,6 +80,16 @@ class _Session:
         self.open: Utterance | None = None  # the live utterance taking `input_text.append`
         self.accepted = 0
         self._send_lock = asyncio.Lock()
+        self.idle: anyio.CancelScope | None = None  # the receive under way, cancelled once idle too long
+
+    def busy(self) -> bool:
+        """Something is queued, being spoken or taking text."""
+        return bool(self.pending) or self.current is not None or self.open is not None
+
+    def rearm(self) -> None:
+        """Restart the idle clock of the receive under way: none while busy, ws_idle_s from now otherwise."""
+        if self.idle is not None:
+            self.idle.deadline = math.inf if self.busy() else anyio.current_time() + self.config.ws_idle_s
 
     async def send(self, message: dict | bytes) -> None:
         async with self._send_lock:
@@ -217,11 +229,14 @@ class _Session:
                 self._wake.clear()
                 await self._wake.wait()
             utterance = self.pending.popleft()
-            job = Job(utterance.request, Encoder(), asyncio.get_running_loop(), utterance.accepted)
+            limits = self.config.limits
+            job = Job(utterance.request, Encoder(), asyncio.get_running_loop(), utterance.accepted,
+                      limits.max_buffered_bytes, limits.client_stall_s)  # fmt: skip
             try:
                 self.worker.submit(job)
             except Busy as busy:
                 await self.fail(utterance, ApiError(503, str(busy), code="queue_full"))
+                self.rearm()
                 continue
             utterance.job, self.current = job, utterance
             number = utterance.number
@@ -239,6 +254,7 @@ class _Session:
                 else:
                     await self.send(_done(number, item.status, item))
             self.current = None
+            self.rearm()
 
 
 def _failure(outcome: Outcome) -> ApiError:
@@ -268,9 +284,20 @@ async def speech_socket(socket: WebSocket) -> None:
     await socket.accept()
     session = _Session(socket, server_state(socket))
     speaker = asyncio.create_task(session.speak())
+    idle_s = session.config.ws_idle_s
     try:
         while not speaker.done():
-            message = await socket.receive()
+            # A socket with nothing to say or to hear is closed after ws_idle_s; the speaker restarts
+            # the clock when an utterance ends. An anyio scope, not asyncio.wait_for, which on
+            # Python 3.11 can swallow the cancellation of the session itself.
+            with anyio.CancelScope() as idle:
+                session.idle = idle
+                session.rearm()
+                message = await socket.receive()
+            session.idle = None
+            if idle.cancelled_caught:
+                await socket.close(code=1000, reason=f"idle for {idle_s:g} s")
+                break
             if message["type"] == "websocket.disconnect":
                 break
             try:

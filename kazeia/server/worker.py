@@ -71,10 +71,19 @@ class Busy(Exception):
 
 
 class Job:
-    """One utterance: what to say, its encoder, and the queue its bytes go to."""
+    """One utterance: what to say, its encoder, and the queue its bytes go to.
+
+    The queue holds at most `max_buffered` bytes the client has not taken: the worker waits for
+    room, and a client that takes nothing for `stall_s` seconds is cancelled as if it had left."""
 
     def __init__(
-        self, request: Request, encoder: Encoder, loop: asyncio.AbstractEventLoop, arrived: float | None = None
+        self,
+        request: Request,
+        encoder: Encoder,
+        loop: asyncio.AbstractEventLoop,
+        arrived: float | None = None,
+        max_buffered: int = 8 << 20,
+        stall_s: float = 30.0,
     ):
         self.id = next(_ids)
         self.request, self.encoder, self.loop = request, encoder, loop
@@ -83,6 +92,10 @@ class Job:
         self.frames_at_cancel: int | None = None
         self.finished = False  # set on the event loop once the Outcome has been taken
         self.stream: SpeechStream | None = None  # set by the worker when generation starts
+        self.stalled = False  # cancelled because the client stopped taking its audio
+        self.max_buffered, self.stall_s = max_buffered, stall_s
+        self._buffered = 0  # bytes handed to the event loop and not yet taken by the client
+        self._room = threading.Condition()
         self._cancelled = threading.Event()
 
     @property
@@ -104,6 +117,10 @@ class Job:
                 item = await self.events.get()
                 if isinstance(item, Outcome):
                     self.finished = True
+                else:
+                    with self._room:
+                        self._buffered -= len(item)
+                        self._room.notify()
                 yield item
                 if self.finished:
                     return
@@ -111,7 +128,21 @@ class Job:
             self.cancel()
 
     def put(self, item) -> None:
-        """From the worker thread: hand bytes or the Outcome to the event loop."""
+        """From the worker thread: hand bytes or the Outcome to the event loop. Bytes wait for room
+        under `max_buffered`; after `stall_s` without any taken, the job is cancelled instead."""
+        if isinstance(item, bytes):
+            with self._room:
+                deadline = time.monotonic() + self.stall_s
+                while self._buffered > 0 and self._buffered + len(item) > self.max_buffered:
+                    left = deadline - time.monotonic()
+                    if self.cancelled:
+                        return
+                    if left <= 0:
+                        self.stalled = True
+                        self.cancel()
+                        return
+                    self._room.wait(min(left, 0.1))
+                self._buffered += len(item)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
@@ -228,7 +259,8 @@ class Worker:
                 log.exception("utterance %d failed", job.id)
             else:
                 log.info("utterance %d refused: %s", job.id, error)
-            message = str(error) if code is not None else f"{type(error).__name__}: {error}"
+            # An internal failure's details go to the log only; the client learns where to look.
+            message = str(error) if code is not None else f"generation failed (utterance {job.id}; see the server log)"
             outcome = Outcome("failed", samples, queue_s, ttfb, None, message, code)
         self._end(job, outcome, frames=0 if stream is None else stream.frames_generated)
 
@@ -244,9 +276,10 @@ class Worker:
             self.metrics.rtf.observe(outcome.metrics.rtf)
         self.records.append(JobRecord(job.id, outcome.status, frames, job.frames_at_cancel))
         log.info(
-            "utterance %d %s: %d frames, %.2f s audio, queued %.2f s, %.2f s work",
+            "utterance %d %s%s: %d frames, %.2f s audio, queued %.2f s, %.2f s work",
             job.id,
             outcome.status,
+            f" (its client took no audio for {job.stall_s:g} s)" if job.stalled else "",
             frames,
             outcome.samples / SAMPLE_RATE,
             outcome.queue_s,
