@@ -196,7 +196,7 @@ def _say(args) -> int:
     if args.stream:
         return _say_streaming(engine, args, sampling)
     speech = engine.synthesize(
-        sys.stdin.read() if args.text == "-" else args.text,
+        _utf8(sys.stdin.buffer.read(), 0, final=True) if args.text == "-" else args.text,
         voice=args.voice,
         language=args.language,
         instruct=args.instruct,
@@ -214,13 +214,24 @@ def _say(args) -> int:
     return 0
 
 
+def _utf8(data: bytes, offset: int, final: bool, decoder=None) -> str:
+    """Standard input is UTF-8; anything else is refused with the offset of the first bad byte."""
+    try:
+        return decoder.decode(data, final) if decoder is not None else data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad = error.object[error.start : error.start + 1].hex() or "end"  # object: what the decoder held
+        at = offset + len(data) - len(error.object) + error.start
+        raise ValueError(f"standard input is not valid UTF-8: byte 0x{bad} at offset {at}") from None
+
+
 def _stdin_deltas():
     """Standard input as text deltas, each as soon as it arrives (e.g. piped from an LLM CLI)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
     while data := os.read(sys.stdin.fileno(), 4096):
-        if text := decoder.decode(data):
+        if text := _utf8(data, offset, False, decoder):
             yield text
-    if text := decoder.decode(b"", final=True):
+        offset += len(data)
+    if text := _utf8(b"", offset, True, decoder):
         yield text
 
 

@@ -184,3 +184,25 @@ def test_stream_reads_standard_input_as_it_arrives(tiny_checkpoints, tmp_path):
     )
     expected = np.concatenate([c.audio for c in whole])
     assert len(audio) == len(expected) and np.max(np.abs(audio - expected)) < 2 / 32767
+
+
+def test_hostile_command_lines_and_input_exit_2_before_any_work(tiny_checkpoints, tmp_path):
+    """Invalid UTF-8 in argv or on standard input, numerically unsafe sampling and a port that
+    cannot exist: one clear line and exit status 2, never a traceback (the port even before the
+    model would load: the path does not exist)."""
+    model, out = str(tiny_checkpoints["0.6B-custom"]), str(tmp_path / "x.wav")
+    say = [sys.executable, "-m", "kazeia", "say", "--model", model, "--voice", "serena", "--max-new-tokens", "3"]
+    cases = [
+        (say + ["-o", out, b"caf\xff".decode("utf-8", "surrogateescape")], None, "not valid Unicode"),
+        (say + ["-o", out, "-"], b"ok \xff then", "not valid UTF-8: byte 0xff at offset 3"),
+        (say + ["--stream", "-o", out, "-"], b"ok \xe2\x82", "not valid UTF-8: byte 0xe2 at offset 3"),
+        (say + ["-o", out, "--temperature", "1e-300", "Hi."], None, "temperature must be a number >= 0.001"),
+        (say + ["-o", out, "--repetition-penalty", "1e-300", "Hi."], None, "repetition_penalty"),
+        (say + ["-o", out, "--subtalker-temperature", "1e-300", "Hi."], None, "subtalker_temperature"),
+        ([sys.executable, "-m", "kazeia", "serve", "--model", str(tmp_path / "absent"), "--port", "70000"], None,
+         "a port is 1 to 65535, not 70000"),
+    ]  # fmt: skip
+    for argv, stdin, words in cases:
+        run = subprocess.run(argv, input=stdin or b"", capture_output=True, timeout=300)
+        err = run.stderr.decode("utf-8", "replace")
+        assert run.returncode == 2 and words in err and "Traceback" not in err, (argv[-2:], err)
