@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import stat
+import subprocess
 import time
 
 import numpy as np
@@ -370,3 +372,81 @@ def test_native_gemv_is_the_exact_product_rounded_once(dtype, shape):
     assert torch.equal(got, alone)
     step = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
     torch.testing.assert_close(got.double(), exact.double(), rtol=step, atol=step * float(exact.abs().max()))
+
+
+PLANTED = """
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(getenv("KAZEIA_PLANTED_MARK"), "w");
+    if (f) fclose(f);
+}
+int gemv(void) { return 0; }
+"""
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """A library that is not Kazeia's, put where the build for this machine is looked for; its
+    constructor leaves a mark when it is loaded. Returns (its path, the mark)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KAZEIA_CACHE", str(cache))
+    expected = native.build()  # the name the engine will look for
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(expected)], check=True)
+    mark = tmp_path / "constructor-ran"
+    monkeypatch.setenv("KAZEIA_PLANTED_MARK", str(mark))
+    native.reset()
+    yield expected, mark
+    native.reset()
+
+
+def test_the_cache_directory_is_created_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("KAZEIA_CACHE", str(tmp_path / "new" / "cache"))
+    path = native.build()
+    for directory in (tmp_path / "new", tmp_path / "new" / "cache", path.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
+
+
+def test_a_library_others_may_write_is_rebuilt_not_loaded(planted):
+    path, mark = planted
+    path.chmod(0o777)
+    with pytest.warns(UserWarning, match="not a private file"):
+        lib = native.library()
+    assert lib is not None and lib.gemv_vector_bits() >= 0 and not mark.exists()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_library_of_another_user_is_rebuilt_not_loaded(planted):
+    path, mark = planted
+    os.chown(path, 4321, 4321)
+    with pytest.warns(UserWarning, match="not a private file"):
+        assert native.library() is not None
+    assert not mark.exists() and path.stat().st_uid == os.getuid()
+
+
+def test_a_foreign_library_of_this_user_is_refused_with_one_warning(planted, tiny_checkpoints):
+    path, mark = planted  # private and ours: loaded (its constructor runs), then found not to be a build
+    with pytest.warns(UserWarning, match="not a Kazeia build: it lacks"):
+        assert native.library() is None
+    assert mark.exists()
+    engine = Engine.load(tiny_checkpoints["0.6B-custom"])  # the PyTorch path, no AttributeError
+    assert engine.model.talker.native_step is None
+    assert engine.synthesize("Still speaks.", voice="serena", max_new_tokens=3).audio.size > 0
+
+
+def test_a_cache_directory_others_may_write_is_not_used(tmp_path, monkeypatch):
+    cache = tmp_path / "shared"
+    (cache / "native").mkdir(parents=True)
+    (cache / "native").chmod(0o777)
+    monkeypatch.setenv("KAZEIA_CACHE", str(cache))
+    native.reset()
+    try:
+        with pytest.warns(UserWarning, match="writable by others"):
+            assert native.library() is None
+    finally:
+        native.reset()
+    assert not list((cache / "native").iterdir())  # nothing was built there

@@ -18,6 +18,7 @@ import hashlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -72,24 +73,61 @@ def build(compiler: str | None = None, target_dir: Path | None = None, options: 
         b"\0".join([*sources, " ".join(options).encode(), compiler.encode(), _cpu_signature().encode()])
     )
     target_dir = target_dir or cache_dir()
+    _private_dir(target_dir)
     path = target_dir / f"decode-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        _touch(path)  # in use: its age says when it was last loaded, for `_prune`
-        return path
-    target_dir.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if _ours(path):
+            _touch(path)  # in use: its age says when it was last loaded, for `_prune`
+            return path
+        warnings.warn(f"kazeia: {path} is not a private file of this user; rebuilding it", stacklevel=2)
+        path.unlink()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target_dir)
     os.close(fd)
     try:
-        cmd = [compiler, *options, *map(str, SOURCES), "-o", tmp, "-lm"]
+        key_flag = f'-DKAZEIA_BUILD_KEY="{key.hexdigest()}"'  # `build_key()` in the library says which build it is
+        cmd = [compiler, *options, key_flag, *map(str, SOURCES), "-o", tmp, "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.chmod(tmp, 0o700)
         os.replace(tmp, path)  # atomic: concurrent builds leave one complete file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     _prune(target_dir, keep=path)
     return path
+
+
+def _private_dir(directory: Path) -> None:
+    """Create `directory` (and missing parents) readable by this user only; refuse one that another
+    user owns or others may write to, where anyone could plant a library that Kazeia would load."""
+    missing = []
+    at = directory
+    while not at.exists():
+        missing.append(at)
+        at = at.parent
+    for new in reversed(missing):
+        try:
+            new.mkdir(mode=0o700)
+        except FileExistsError:  # made meanwhile by a concurrent build: checked below
+            pass
+    info = directory.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise RuntimeError(f"the native cache {directory} is not a directory")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise RuntimeError(f"the native cache {directory} belongs to another user (uid {info.st_uid})")
+    if info.st_mode & 0o022:
+        raise RuntimeError(
+            f"the native cache {directory} is writable by others (mode {stat.S_IMODE(info.st_mode):o}); "
+            f"make it private (chmod 700) or set KAZEIA_CACHE"
+        )
+
+
+def _ours(path: Path) -> bool:
+    """A regular file (not a link) owned by this user that nobody else may write."""
+    info = path.lstat()
+    owner = not hasattr(os, "getuid") or info.st_uid == os.getuid()
+    return stat.S_ISREG(info.st_mode) and owner and not info.st_mode & 0o022
 
 
 STALE_DAYS = 30  # builds not loaded for this long are removed when another one is built
@@ -145,15 +183,28 @@ def reset() -> None:
 @functools.cache
 def _library(options: tuple[str, ...]) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(build(options=options)))
+        path = build(options=options)
+        lib = ctypes.CDLL(str(path))
+        _check_exports(lib, path)
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         what = "native decode steps and vocoder activation unavailable, using eager PyTorch"
         warnings.warn(f"kazeia: {what} ({err})", stacklevel=2)
         return None
+    return lib
+
+
+def _check_exports(lib: ctypes.CDLL, path: Path) -> None:
+    """The library is the build its name says (its key) and has every function Kazeia calls."""
+    missing = [name for name in (*SIGNATURES, "build_key") if not hasattr(lib, name)]
+    if missing:
+        raise RuntimeError(f"{path} is not a Kazeia build: it lacks {', '.join(missing)}")
+    lib.build_key.argtypes, lib.build_key.restype = [], ctypes.c_char_p
+    key = (lib.build_key() or b"").decode("ascii", "replace")
+    if not path.name.startswith(f"decode-{key[:16]}") or len(key) != 64:
+        raise RuntimeError(f"{path} is not the build its name says (its key is {key[:16]!r})")
     for name, (args, result) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, result
-    return lib
 
 
 # Positions a native step takes at once: one, or the code predictor's two-position first step of

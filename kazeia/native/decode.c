@@ -41,6 +41,12 @@ typedef uint16_t half; /* never used: the caller checks has_float16() */
 int has_float16(void) { return 0; }
 #endif
 
+#ifndef KAZEIA_BUILD_KEY
+#define KAZEIA_BUILD_KEY ""
+#endif
+/* The hash that names this build (sources, flags, compiler, CPU): Kazeia checks it after loading. */
+const char *build_key(void) { return KAZEIA_BUILD_KEY; }
+
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
 static inline float load(const void *p, long i, int dt) {
