@@ -1,6 +1,8 @@
 """A real uvicorn on 127.0.0.1: the official OpenAI client, streaming, disconnects, a full queue."""
 
+import contextlib
 import io
+import json
 import threading
 import time
 
@@ -153,23 +155,32 @@ def test_websocket_disconnect_stops_generation_within_one_frame(live):
 
 
 def test_full_queue_is_refused_with_503_and_retry_after(live):
+    """One utterance generating and one waiting fill the queue (queue_size 1): the next is refused.
+    Streams are opened until one is refused, as the first may end before the test gets there on a
+    fast machine (149 frames, its client reads none of them)."""
     worker = live.app.state.kazeia.worker
-    with httpx.Client(base_url=live.url, timeout=30) as client:
-        body = _body(response_format="pcm", **LONG)
-        with client.stream("POST", "/v1/audio/speech", json=body) as first:
-            next(first.iter_bytes())  # generating
-            with client.stream("POST", "/v1/audio/speech", json=body) as second:
-                assert second.status_code == 200 and worker.queue_depth == 1  # waiting its turn
-                refused = client.post("/v1/audio/speech", json=body)
-                assert refused.status_code == 503
-                assert int(refused.headers["retry-after"]) >= 1
-                error = refused.json()["error"]
-                assert error["code"] == "queue_full" and error["type"] == "server_error"
-                assert "busy" in error["message"]
+    jobs = len(worker.records)
+    body = _body(response_format="pcm", **LONG)
+    with httpx.Client(base_url=live.url, timeout=30) as client, contextlib.ExitStack() as streams:
+        first = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+        next(first.iter_bytes())  # generating
+        accepted = 1
+        while (
+            response := streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+        ).status_code == 200:
+            accepted += 1
+            assert accepted < 6, "five utterances at once and none refused"
+        assert response.status_code == 503
+        assert worker.queue_depth == 1
+        assert int(response.headers["retry-after"]) >= 1
+        error = json.loads(response.read())["error"]
+        assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
+        streams.close()  # every client leaves
         metrics = client.get("/metrics").text
     assert 'kazeia_request_errors_total{route="/v1/audio/speech",status="503"} 1' in metrics
-    statuses = [r.status for r in list(worker.records)[-2:]]
-    assert statuses == ["cancelled", "cancelled"]
+    _wait_for_record(worker, jobs + accepted)  # each ends once its client has gone (not at once)
+    statuses = [r.status for r in list(worker.records)[jobs:]]
+    assert len(statuses) == accepted and statuses[-2:] == ["cancelled", "cancelled"], statuses
 
 
 def test_wav_from_the_server_reads_with_soundfile(live):

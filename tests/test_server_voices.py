@@ -133,6 +133,8 @@ def test_bad_uploads_and_names_are_refused(engines, ref_wav, tmp_path):
             error_of(upload(client, bad, ref_wav, x_vector_only="1"), 400, "name", "not a valid voice name")
         error_of(upload(client, None, ref_wav, x_vector_only="1"), 400, "name", "name is required")
         error_of(upload(client, "nofile", None, ref_text=REF_TEXT), 400, "audio", "required")
+        many = upload(client, "many", None, **{f"f{i}": "x" for i in range(9)})  # a form of 10 fields
+        assert error_of(many, 400, None, "form cannot be read")["code"] == "invalid_multipart"
         error_of(upload(client, "junk", b"not audio at all", ref_text=REF_TEXT), 400, "audio", "reference audio")
         short = wav_bytes(audio[: ESPEAK_RATE // 2])
         error_of(upload(client, "short", short, ref_text=REF_TEXT), 400, "audio", "too short")

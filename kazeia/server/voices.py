@@ -21,12 +21,13 @@ import os
 import re
 import threading
 from pathlib import Path
+from urllib.parse import parse_qsl
 
 import python_multipart  # noqa: F401  (needed by Starlette's form parser: fail at import, not at upload)
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import UploadFile
-from starlette.formparsers import FormParser, MultiPartException, MultiPartParser
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from ..audio import ReferenceLimitError, load_reference_audio
 from ..engine import Engine
@@ -298,17 +299,21 @@ async def _upload(request: Request, body: bytes) -> tuple[str, bytes, str | None
     async def chunks():
         yield body
 
+    form = None
     try:
         if request.headers.get("content-type", "").lower().startswith("multipart/form-data"):
             parser = MultiPartParser(request.headers, chunks(), max_files=1, max_fields=8, max_part_size=64 * 1024)
-        else:  # a form without the file: parsed to say what is missing
-            parser = FormParser(request.headers, chunks(), max_fields=8, max_part_size=64 * 1024)
-        form = await parser.parse()
+            form = await parser.parse()
+            items: list[tuple[str, object]] = list(form.multi_items())
+        else:  # a form without the file (the body is bounded already): parsed to say what is missing
+            items = list(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True, max_num_fields=8))
     except MultiPartException as e:
         raise ApiError(400, f"the multipart body cannot be read: {e.message}", code="invalid_multipart") from None
+    except ValueError as e:  # parse_qsl: too many fields
+        raise ApiError(400, f"the form cannot be read: {e}", code="invalid_multipart") from None
     try:
         fields: dict[str, object] = {}
-        for key, value in form.multi_items():
+        for key, value in items:
             refuse_unknown({key: value}, UPLOAD_FIELDS, "a voice upload")
             if key in fields:
                 raise ApiError(400, f"the field {key!r} is given twice", param=key)
@@ -331,7 +336,8 @@ async def _upload(request: Request, body: bytes) -> tuple[str, bytes, str | None
             ref_text = None  # an empty form field is an absent one
         return name, data, ref_text, _flag(fields.get("x_vector_only"))
     finally:
-        await form.close()
+        if form is not None:
+            await form.close()
 
 
 def _flag(value) -> bool:

@@ -290,12 +290,13 @@ async def speech_socket(socket: WebSocket) -> None:
             # A socket with nothing to say or to hear is closed after ws_idle_s; the speaker restarts
             # the clock when an utterance ends. An anyio scope, not asyncio.wait_for, which on
             # Python 3.11 can swallow the cancellation of the session itself.
+            message = None
             with anyio.CancelScope() as idle:
                 session.idle = idle
                 session.rearm()
                 message = await socket.receive()
             session.idle = None
-            if idle.cancelled_caught:
+            if message is None:  # the idle deadline passed (`cancelled_caught` needs anyio 4)
                 await socket.close(code=1000, reason=f"idle for {idle_s:g} s")
                 break
             if message["type"] == "websocket.disconnect":
