@@ -22,7 +22,7 @@ MAX_REFERENCE_S = 60.0  # longest, by default: its codes join every ICL prompt (
 # Checked from the header, before anything is decoded: a file's decoded size is what it declares.
 MIN_RATE, MAX_RATE = 8000, 192000  # Hz
 MAX_CHANNELS = 8
-MAX_DECODED_BYTES = 256 << 20  # float32 samples of all channels, before they are mixed down
+MAX_DECODED_BYTES = 64 << 20  # float32 samples of all channels before mixing down (60 s at 192 kHz mono: 44 MiB)
 SILENCE_PEAK = 1e-3  # a reference whose peak stays below this (-60 dBFS) is treated as silence
 
 

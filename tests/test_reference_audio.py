@@ -116,7 +116,7 @@ def test_what_a_header_declares_is_bounded_before_decoding(tmp_path):
     with pytest.raises(ValueError, match="is 5.0 s long; the limit is 3 s"):
         load_reference_audio((noise[:80_000], 16000), max_seconds=3)
     huge = np.broadcast_to(np.float32(0.1), (59 * 192_000, 8))  # 360 MiB as float32, none allocated
-    with pytest.raises(ValueError, match="would decode to 346 MiB; the limit is 256 MiB"):
+    with pytest.raises(ValueError, match="would decode to 346 MiB; the limit is 64 MiB"):
         load_reference_audio((huge, 192_000))
 
 
