@@ -113,10 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--allowed-origin",
+        "--allowed-origins",
         action="append",
         default=[],
         metavar="ORIGIN",
-        help="a web page origin (https://app.example) that may call the server, with CORS; repeatable",
+        help="web page origins (https://app.example) that may call the server, with CORS; repeatable or "
+        "comma-separated",
     )
     srv.add_argument(
         "--model-alias",
@@ -306,7 +308,7 @@ def _serve(args) -> int:
         text_timeout=args.text_timeout,
         text_deadline=args.text_deadline,
         model_aliases=(*_defaults(ServerConfig)["model_aliases"], *args.model_alias),
-        allowed_origins=tuple(args.allowed_origin),
+        allowed_origins=tuple(o.strip() for arg in args.allowed_origin for o in arg.split(",") if o.strip()),
         api_key=args.api_key or None,
         max_connections=args.max_connections,
         ws_idle_s=args.ws_idle_timeout,

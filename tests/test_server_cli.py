@@ -53,3 +53,23 @@ def test_server_config_checks_its_fields():
         Limits(max_reference_s=0)
     with pytest.raises(ValueError, match="text_timeout"):
         ServerConfig("m", text_timeout=float("nan"))
+    for origin in ("https://app.example/", "app.example", "ftp://app.example", "https://app.example/path", ""):
+        with pytest.raises(ValueError, match="scheme://host"):
+            ServerConfig("m", allowed_origins=(origin,))
+    assert (
+        ServerConfig("m", allowed_origins=("*", "http://localhost:3000")).allowed_origins[1] == "http://localhost:3000"
+    )
+    with pytest.raises(ValueError, match="at least 8 characters"):
+        ServerConfig("m", api_key="short")
+    with pytest.raises(ValueError, match="max_connections"):
+        ServerConfig("m", max_connections=0)
+    with pytest.raises(ValueError, match="ws_idle_s"):
+        ServerConfig("m", ws_idle_s=0)
+
+
+def test_serve_checks_its_security_options_before_loading(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere")
+    assert main(["serve", "--model", missing, "--allowed-origins", "https://a.example, https://b.example/"]) == 2
+    assert "'https://b.example/' must be '*' or scheme://host[:port]" in capsys.readouterr().err
+    assert main(["serve", "--model", missing, "--api-key", "1234567"]) == 2
+    assert "api_key must be a string of at least 8 characters" in capsys.readouterr().err

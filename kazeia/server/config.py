@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..streaming import ChunkSchedule
 
@@ -106,6 +107,17 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
         if not all(isinstance(a, str) and a.strip() for a in self.model_aliases):
             raise ValueError(f"model_aliases must be non-empty strings, got {self.model_aliases!r}")
+        for origin in self.allowed_origins:  # as browsers send it: scheme://host[:port], nothing more
+            parts = urlsplit(origin) if isinstance(origin, str) else None
+            if origin != "*" and (
+                parts is None
+                or parts.scheme not in ("http", "https")
+                or not parts.netloc
+                or origin != f"{parts.scheme}://{parts.netloc}"
+            ):
+                raise ValueError(
+                    f"allowed origin {origin!r} must be '*' or scheme://host[:port], e.g. https://app.example"
+                )
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
             raise ValueError("api_key must be a string of at least 8 characters")
         if (
