@@ -1,4 +1,4 @@
-"""The `kazeia` command: say, voices, serve, random-checkpoint.
+"""The `kazeia` command: say, voices, serve, quantize, random-checkpoint.
 
 Thin: parse arguments, call the engine, write files, print figures. Bad input exits with status 2
 and one line on stderr.
@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 
 from .sampling import SamplingOptions
 from .server.config import Limits, ServerConfig
@@ -32,9 +33,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument(
         "--dtype",
-        default="float32",
         choices=list(DTYPES),
-        help="talker and code-predictor weight precision (default: %(default)s)",
+        help="talker and code-predictor weight precision (default: a prepared checkpoint's own, else float32)",
     )
     p.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")
     p.add_argument("--threads", type=int, help="CPU threads for torch's kernels (default: one per core)")
@@ -148,6 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
         srv.add_argument(flag, type=kind, default=default, help=f"{help} (default: %(default)s)")
     _chunk_args(srv, server["first_chunk_frames"], server["chunk_frames"])
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    qnt = sub.add_parser(
+        "quantize", help="write a checkpoint prepared for one precision, which loads without converting anything"
+    )
+    qnt.add_argument("source", help="checkpoint directory or hub id")
+    qnt.add_argument("target", help="new directory for the prepared checkpoint")
+    qnt.add_argument("--dtype", required=True, choices=["int8", "bfloat16", "float16", "float32"])
+    qnt.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")
 
     rnd = sub.add_parser("random-checkpoint", help="write a random-weight checkpoint (tests, demos, benchmarks)")
     rnd.add_argument("directory")
@@ -329,6 +337,16 @@ def _create_voice(args) -> int:
     return 0
 
 
+def _quantize(args) -> int:
+    from .prepared import quantize
+
+    started = time.perf_counter()
+    path = quantize(args.source, args.target, args.dtype, offline=args.offline or None)
+    took = time.perf_counter() - started
+    print(f"wrote {path}, prepared for {args.dtype}, in {took:.1f} s; load it like any checkpoint", file=sys.stderr)
+    return 0
+
+
 def _random_checkpoint(args) -> int:
     from .testing import write_checkpoint
 
@@ -339,7 +357,13 @@ def _random_checkpoint(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run = {"say": _say, "voices": _voices, "serve": _serve, "random-checkpoint": _random_checkpoint}[args.command]
+    run = {
+        "say": _say,
+        "voices": _voices,
+        "serve": _serve,
+        "quantize": _quantize,
+        "random-checkpoint": _random_checkpoint,
+    }[args.command]
     try:
         return run(args)
     except BrokenPipeError:  # the reader of `-o -` went away: stop quietly

@@ -32,6 +32,7 @@ from .config import ModelConfig
 from .errors import RequestError
 from .live import live_trailing
 from .model import TTSModel
+from .prepared import prepared_dtype
 from .prompt import Prompt, build_prompt, needs_whole_text
 from .request import Request, Rules, TextSource, bounded, build_request, ref_text_ids
 from .sampling import SamplingKwargs, SamplingOptions
@@ -83,7 +84,7 @@ class Engine:
         cls,
         path_or_id: str | os.PathLike,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str | None = None,
         *,
         vocoder_dtype: str = "float32",
         tokenizer_regex: str = "qwen2",
@@ -94,7 +95,9 @@ class Engine:
 
         dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16" | "int8" (CPU:
             per-channel int8 weights quantized at load, float32 activations sent to the int8 GEMM
-            as two 8-bit rows; see kazeia/quant.py).
+            as two 8-bit rows; see kazeia/quant.py). Default: the precision a checkpoint prepared
+            by `kazeia quantize` was made for (the only one it loads in; kazeia/prepared.py), else
+            float32.
         vocoder_dtype: the speech-tokenizer decoder; float32 by default for exact audio. "bfloat16"
             is faster on CPUs with bfloat16 dot products, at ~27 dB SNR against float32
             (BENCHMARKS.md); elsewhere half precision is slower.
@@ -112,10 +115,13 @@ class Engine:
         torch_device = _device(device)
         if threads is not None or torch_device.type == "cpu":
             torch.set_num_threads(threads or stage_threads())
-        weights, vocoder_weights = _dtype("dtype", dtype), _dtype("vocoder_dtype", vocoder_dtype)
+        if dtype is not None:
+            _dtype("dtype", dtype)  # a bad name fails before any download
+        vocoder_weights = _dtype("vocoder_dtype", vocoder_dtype)
         if not isinstance(vocoder_weights, torch.dtype):
             raise ValueError(f"vocoder_dtype {vocoder_dtype!r} is not supported; choose float32, bfloat16 or float16")
         files = resolve(path_or_id, offline=offline)
+        weights = _dtype("dtype", dtype or prepared_dtype(files["model.safetensors"]) or "float32")
         cfg = ModelConfig.from_file(files["config.json"])
         defaults = SamplingOptions.from_file(files["generation_config.json"])
         tokenizer = TextTokenizer.from_dir(files.root, regex=tokenizer_regex)

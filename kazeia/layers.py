@@ -170,6 +170,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             self.qk_norm_weight = self._qk_scale()
 
+    def init_buffers(self, device) -> None:
+        """After the weights are assigned (kazeia/checkpoint.py): the fused qk-norm scale from the
+        loaded norms, when the projections were fused before loading (a prepared checkpoint)."""
+        if self.qkv_proj is not None and self.q_norm is not None:
+            self.qk_norm_weight = self._qk_scale()
+
     def _qk_scale(self) -> torch.Tensor:
         q, k = self.q_norm.weight.detach(), self.k_norm.weight.detach()
         return torch.cat((q.expand(self.heads, -1), k.expand(self.kv_heads, -1)))

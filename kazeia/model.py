@@ -19,6 +19,7 @@ from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
 from .layers import can_pack, fuse_projections, pack_linears, replace_linears
 from .native import linear as native_linear
+from .prepared import load_int8, prepared_dtype
 from .quant import QuantEmbedding, int8_supported, quantize_linears
 from .talker import Talker
 
@@ -53,6 +54,20 @@ class TTSModel(nn.Module):
             raise ValueError(f"dtype 'int8' cannot run here: {why}; use float32 or bfloat16")
         with torch.device("meta"):
             model = cls(cfg)
+        prepared = prepared_dtype(path)
+        if prepared is not None:
+            name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+            if name != prepared:
+                raise ValueError(
+                    f"{path} is prepared for {prepared} (kazeia quantize): load it with dtype={prepared!r}, "
+                    f"or load the released checkpoint for {name}"
+                )
+        if prepared == "int8":  # products stored quantized and fused: nothing to convert
+            fuse_projections(model)  # on the meta device: the fused shapes
+            lib = native.library() if torch.device(device).type == "cpu" else None
+            load_int8(model, path, lib)
+            model.choose_steps(lib)
+            return model.eval()
         # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep
         # every page of the file resident next to the replacements until the last tensor is gone.
         # int8 keeps the file's precision until each weight is quantized.
@@ -86,8 +101,11 @@ class TTSModel(nn.Module):
         elif cpu and can_pack(dtype):
             # Products: oneDNN's packed batch-1 matmul (reads weights faster than the stock kernel).
             pack_linears(self, after_each=release_freed_memory)
-        # Decoding steps (one sequence, 1-2 positions): the C glue between the products where the
-        # native library supports these activations, else the eager layers (always for prompts).
+        self.choose_steps(lib)
+
+    def choose_steps(self, lib) -> None:
+        """Decoding steps (one sequence, 1-2 positions): the C glue between the products where the
+        native library supports these activations, else the eager layers (always for prompts)."""
         activations = self.talker.norm.weight.dtype
         for stack in (self.talker, self.code_predictor):
             stack.native_step = native.stack_step(lib, stack.layers, stack.norm, activations)

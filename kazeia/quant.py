@@ -94,6 +94,19 @@ def split_rows(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, float]:
     return torch.cat((x, residual.mul_(factor))), factor
 
 
+@torch.no_grad()
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Linear weight (out, in) -> its int8 values (out, in) and float32 row scales (out,): the
+    int8 GEMM's own rounding (`torch.quantize_per_channel`), symmetric, one scale per output row."""
+    w = weight.detach().float()
+    scales = _row_scales(w)
+    zero = torch.zeros(w.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized tensors are marked deprecated (see below)
+        q = torch.quantize_per_channel(w, scales.double(), zero, 0, torch.qint8)
+    return q.int_repr(), scales
+
+
 def _row_scales(weight: torch.Tensor) -> torch.Tensor:
     """Symmetric per-row scales: max |w| of each row / 127 (float32, (rows,))."""
     return weight.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
@@ -119,18 +132,28 @@ class QuantLinear(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, lib=None) -> QuantLinear:
-        w = weight.detach().float()
-        scales = _row_scales(w)
-        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        return cls.from_int8(*quantize_weight(weight), bias, lib)
+
+    @classmethod
+    @torch.no_grad()
+    def from_int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, lib=None) -> QuantLinear:
+        """From `quantize_weight`'s result (as a prepared checkpoint stores it: kazeia/prepared.py)."""
+        zero = torch.zeros(qweight.shape[0], dtype=torch.long)
         with warnings.catch_warnings():
             # torch >= 2.10 marks quantized tensors deprecated; the packed int8 GEMM they feed is
             # still the fastest int8 path on CPUs (see BENCHMARKS.md). Revisit when it is removed.
             warnings.simplefilter("ignore", UserWarning)
-            q = torch.quantize_per_channel(w, scales.double(), zero, 0, torch.qint8)
+            q = torch._make_per_channel_quantized_tensor(qweight, scales.double(), zero, 0)
         packed = torch.ops.quantized.linear_prepack(q, None)
         # The bias is added once, after the two rows are combined (the GEMM would add it to both).
         b = None if bias is None else bias.detach().float().clone()
-        return cls(packed, b, w.shape[1], w.shape[0], lib)
+        return cls(packed, b, qweight.shape[1], qweight.shape[0], lib)
+
+    @property
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int8 values and float32 row scales this product multiplies by (`quantize_weight`)."""
+        q, _ = torch.ops.quantized.linear_unpack(self.packed)
+        return q.int_repr(), q.q_per_channel_scales().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) float32 -> (..., out)."""

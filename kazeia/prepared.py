@@ -1,0 +1,150 @@
+"""Checkpoints prepared for one precision: `kazeia quantize SRC DST --dtype int8|bfloat16|...`.
+
+A released checkpoint stores bfloat16 weights; loading it as int8 quantizes every product's
+weight (seconds at the real sizes), as float32 or float16 converts every tensor. A prepared
+checkpoint is the same directory with `model.safetensors` rewritten so that loading converts
+nothing:
+
+* float32 / bfloat16 / float16: the released tensors, names unchanged, floating ones in that
+  precision;
+* int8: the talker's and code predictor's tensors under Kazeia's module names, after the q/k/v and
+  gate/up projections are fused: for each product `NAME.qweight` (int8, the int8 GEMM's own
+  rounding, see `quant.quantize_weight`) and `NAME.scales` (float32, one per output row), the text
+  embedding likewise, everything else float32. Speaker-encoder tensors (Base) keep their released
+  names and precision. The values are those quantizing at load gives, so a prepared int8 checkpoint
+  speaks exactly like its source loaded with `dtype="int8"` (tested); they do not depend on the CPU.
+
+The file's safetensors metadata says what it is (`format`, `version`, `dtype`); loading checks it,
+and a prepared checkpoint loads only in its own precision (`Engine.load` picks it by default).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import load_tensors, resolve
+from .config import CheckpointError, ModelConfig
+
+FORMAT, VERSION = "kazeia-prepared", "1"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8"}
+WEIGHTS = "model.safetensors"
+
+
+def prepared_dtype(path: Path) -> str | None:
+    """The precision `path` (a model.safetensors) was prepared for, None for a released file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    if meta.get("format") != FORMAT:
+        return None
+    if meta.get("version") != VERSION or meta.get("dtype") not in DTYPES:
+        raise CheckpointError(
+            f"{path} was prepared by another version of Kazeia (format {meta.get('version')!r}, "
+            f"dtype {meta.get('dtype')!r}); prepare it again from the released checkpoint"
+        )
+    return meta["dtype"]
+
+
+def quantize(source: str | os.PathLike, target: str | os.PathLike, dtype: str, *, offline: bool | None = None) -> Path:
+    """Write the checkpoint `source` (a directory or hub id) prepared for `dtype` into the new
+    directory `target`; returns it. Every other file is copied unchanged."""
+    from safetensors.torch import save_file
+
+    from .model import SKIPPED_PREFIXES, TTSModel, rename
+
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)} (int4 is not available yet)")
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"{target} exists and is not an empty directory; choose a new one")
+    files = resolve(source, offline=offline)
+    weights = files[WEIGHTS]
+    if (already := prepared_dtype(weights)) is not None:
+        raise ValueError(f"{weights} is already prepared (for {already}); prepare the released checkpoint instead")
+    cfg = ModelConfig.from_file(files["config.json"])
+    released = load_tensors(weights, mmap=False)
+    kept = {name: t for name, t in released.items() if name.startswith(SKIPPED_PREFIXES)}
+    if dtype == "int8":
+        model = TTSModel.load(cfg, weights, "cpu", "int8")
+        tensors = {**int8_tensors(model), **kept}
+    else:
+        rename(released, str(weights), skip_speaker_encoder=cfg.tts_model_type == "base")  # checks every name
+        floats = DTYPES[dtype]
+        tensors = {n: t if n in kept or not t.is_floating_point() else t.to(floats) for n, t in released.items()}
+    del released
+    root = os.path.realpath(files.root)
+
+    def weights_file(directory: str, names: list[str]) -> list[str]:  # only the top-level one
+        return [WEIGHTS] if os.path.realpath(directory) == root and WEIGHTS in names else []
+
+    shutil.copytree(files.root, target, ignore=weights_file, dirs_exist_ok=True)
+    tensors = {name: t.contiguous() for name, t in tensors.items()}
+    save_file(tensors, str(target / WEIGHTS), metadata={"format": FORMAT, "version": VERSION, "dtype": dtype})
+    return target
+
+
+def int8_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model loaded with dtype="int8" -> the tensors of its prepared file (module names)."""
+    from .quant import QuantLinear
+
+    out: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            qweight, scales = module.stored
+            out[f"{name}.qweight"], out[f"{name}.scales"] = qweight, scales
+            if module.bias is not None:
+                out[f"{name}.bias"] = module.bias
+    for name, tensor in model.state_dict().items():  # QuantEmbedding tables included, as they are
+        if not isinstance(model.get_submodule(name.rpartition(".")[0]), QuantLinear):
+            out[name] = tensor
+    return out
+
+
+def load_int8(model: nn.Module, path: Path, lib) -> None:
+    """Fill `model` (built on the meta device, projections fused) from a prepared int8 file: the
+    products become QuantLinears of the stored values, the text embedding a QuantEmbedding, the
+    rest is assigned strictly (a missing, unexpected or mis-shaped tensor names itself)."""
+    from .checkpoint import assign
+    from .model import SKIPPED_PREFIXES
+    from .quant import QuantEmbedding, QuantLinear
+
+    tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(SKIPPED_PREFIXES))
+    for parent_name, parent in list(model.named_modules()):
+        for child, linear in list(parent.named_children()):
+            if not isinstance(linear, nn.Linear):
+                continue
+            name = f"{parent_name}.{child}" if parent_name else child
+            qweight, scales = _take(tensors, f"{name}.qweight", path), _take(tensors, f"{name}.scales", path)
+            bias = tensors.pop(f"{name}.bias", None)
+            shape = (linear.out_features, linear.in_features)
+            if tuple(qweight.shape) != shape or tuple(scales.shape) != shape[:1] or qweight.dtype != torch.int8:
+                raise CheckpointError(
+                    f"{path}: {name} is stored as {tuple(qweight.shape)} {qweight.dtype}, expected {shape} int8"
+                )
+            setattr(parent, child, QuantLinear.from_int8(qweight, scales.float(), bias, lib))
+    table = model.talker.text_embedding
+    qweight = _take(tensors, "talker.text_embedding.qweight", path)
+    scales = _take(tensors, "talker.text_embedding.scales", path)
+    if tuple(qweight.shape) != tuple(table.weight.shape) or tuple(scales.shape) != tuple(table.weight.shape[:1]):
+        raise CheckpointError(
+            f"{path}: talker.text_embedding is stored as {tuple(qweight.shape)}, expected {tuple(table.weight.shape)}"
+        )
+    model.talker.text_embedding = QuantEmbedding(qweight, scales.float())
+    built = {name: t for name, t in model.state_dict().items() if not t.is_meta}
+    assign(model, {**tensors, **built}, str(path))
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tensor:
+    try:
+        return tensors.pop(name)
+    except KeyError:
+        raise CheckpointError(f"{path}: missing tensor {name}") from None

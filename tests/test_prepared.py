@@ -1,0 +1,109 @@
+"""Prepared checkpoints (`kazeia quantize`): they load without converting anything and speak
+exactly like their source loaded in the same precision; they refuse other precisions, and a
+broken one names what is wrong."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from clone_support import espeak
+from safetensors.torch import load_file, save_file
+
+from kazeia import Engine
+from kazeia.cli import main
+from kazeia.config import CheckpointError
+from kazeia.prepared import FORMAT, prepared_dtype, quantize
+from kazeia.quant import int8_supported
+
+GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=16, seed=3)
+NEEDS_INT8 = pytest.mark.skipif(int8_supported() is not None, reason=str(int8_supported()))
+
+
+def _metadata(path) -> dict:
+    with open(path, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(size)).get("__metadata__", {})
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("int8", marks=NEEDS_INT8), "bfloat16", "float16", "float32"])
+def test_a_prepared_checkpoint_speaks_exactly_like_its_source(tiny_checkpoints, tmp_path, dtype):
+    source = tiny_checkpoints["0.6B-custom"]
+    target = quantize(source, tmp_path / "prepared", dtype)
+    assert _metadata(target / "model.safetensors") == {"format": FORMAT, "version": "1", "dtype": dtype}
+    assert (
+        prepared_dtype(target / "model.safetensors") == dtype and prepared_dtype(source / "model.safetensors") is None
+    )
+    assert (target / "speech_tokenizer" / "model.safetensors").read_bytes() == (
+        source / "speech_tokenizer" / "model.safetensors"
+    ).read_bytes()
+    stored = load_file(target / "model.safetensors")
+    if dtype == "int8":  # products stored fused and quantized, as the int8 GEMM multiplies them
+        assert stored["talker.layers.0.self_attn.qkv_proj.qweight"].dtype == torch.int8
+        assert stored["talker.text_embedding.qweight"].dtype == torch.int8
+    else:
+        assert {t.dtype for t in stored.values() if t.is_floating_point()} == {getattr(torch, dtype)}
+    prepared = Engine.load(target)  # its own precision by default
+    original = Engine.load(source, dtype=dtype)
+    a = original.synthesize("A prepared checkpoint.", voice="serena", **GREEDY)
+    b = prepared.synthesize("A prepared checkpoint.", voice="serena", **GREEDY)
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_array_equal(a.audio, b.audio)
+
+
+@NEEDS_INT8
+def test_a_prepared_base_checkpoint_still_clones(tiny_checkpoints, tmp_path):
+    source = tiny_checkpoints["0.6B-base"]
+    target = quantize(source, tmp_path / "base-int8", "int8")
+    ref = espeak(tmp_path / "ref.wav", "A voice to clone from.", "en")
+    outputs = []
+    for engine in (Engine.load(source, dtype="int8"), Engine.load(target)):
+        voice = engine.create_voice(ref, x_vector_only=True)
+        outputs.append(engine.synthesize("Cloned, prepared.", voice=voice, **GREEDY))
+    np.testing.assert_array_equal(outputs[0].codes, outputs[1].codes)
+    np.testing.assert_array_equal(outputs[0].audio, outputs[1].audio)
+
+
+def test_a_prepared_checkpoint_loads_only_in_its_precision(tiny_checkpoints, tmp_path):
+    target = quantize(tiny_checkpoints["0.6B-custom"], tmp_path / "bf16", "bfloat16")
+    with pytest.raises(ValueError, match="prepared for bfloat16 .*dtype='bfloat16'"):
+        Engine.load(target, dtype="float32")
+    with pytest.raises(ValueError, match="already prepared"):
+        quantize(target, tmp_path / "again", "int8")
+    with pytest.raises(ValueError, match="not an empty directory"):
+        quantize(tiny_checkpoints["0.6B-custom"], target, "bfloat16")
+    with pytest.raises(ValueError, match="int4 is not available"):
+        quantize(tiny_checkpoints["0.6B-custom"], tmp_path / "int4", "int4")
+
+
+@NEEDS_INT8
+def test_a_broken_prepared_file_names_what_is_wrong(tiny_checkpoints, tmp_path):
+    target = quantize(tiny_checkpoints["0.6B-custom"], tmp_path / "int8", "int8")
+    path = target / "model.safetensors"
+    tensors, meta = load_file(path), _metadata(path)
+    name = "code_predictor.layers.1.mlp.gate_up_proj.qweight"
+    save_file({k: v for k, v in tensors.items() if k != name}, path, metadata=meta)
+    with pytest.raises(CheckpointError, match=f"missing tensor {name}"):
+        Engine.load(target)
+    save_file({**tensors, name: tensors[name][:, :-1].contiguous()}, path, metadata=meta)
+    with pytest.raises(CheckpointError, match="code_predictor.layers.1.mlp.gate_up_proj is stored as"):
+        Engine.load(target)
+    save_file({**tensors, "talker.extra": torch.zeros(2)}, path, metadata=meta)
+    with pytest.raises(CheckpointError, match="unexpected tensor talker.extra"):
+        Engine.load(target)
+    save_file(tensors, path, metadata={**meta, "version": "0"})
+    with pytest.raises(CheckpointError, match="another version of Kazeia"):
+        Engine.load(target)
+
+
+def test_kazeia_quantize_command(tiny_checkpoints, tmp_path, capsys):
+    target = tmp_path / "cli-f16"
+    assert main(["quantize", str(tiny_checkpoints["0.6B-custom"]), str(target), "--dtype", "float16"]) == 0
+    assert (
+        "prepared for float16" in capsys.readouterr().err and prepared_dtype(target / "model.safetensors") == "float16"
+    )
+    assert main(["quantize", str(tiny_checkpoints["0.6B-custom"]), str(target), "--dtype", "float16"]) == 2
+    assert "not an empty directory" in capsys.readouterr().err
+    assert main(["say", "Hi.", "--model", str(target), "--dtype", "int8", "-o", str(tmp_path / "x.wav")]) == 2
+    assert "prepared for float16" in capsys.readouterr().err
