@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 from pathlib import Path
 
 import torch
@@ -19,6 +20,18 @@ def real_checkpoint(size: str = "0.6B", kind: str = "custom_voice") -> Path:
     if not (path / "speech_tokenizer" / "model.safetensors").is_file():
         print(f"writing a real-size random {size} {kind} checkpoint to {path} (once) ...", flush=True)
         write_checkpoint(path, size, kind, tiny=False, seed=0, dtype=torch.bfloat16)
+    return path
+
+
+def prepared_checkpoint(size: str, dtype: str, kind: str = "custom_voice") -> Path:
+    """`real_checkpoint` prepared for `dtype` by `kazeia quantize` (kazeia/prepared.py), cached."""
+    from kazeia.prepared import quantize
+
+    path = CACHE / f"{size}-{kind}-prepared-{dtype}"
+    if not (path / "model.safetensors").is_file():
+        print(f"preparing {path} for {dtype} (once) ...", flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+        quantize(real_checkpoint(size, kind), path, dtype)
     return path
 
 

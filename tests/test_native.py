@@ -450,3 +450,19 @@ def test_a_cache_directory_others_may_write_is_not_used(tmp_path, monkeypatch):
     finally:
         native.reset()
     assert not list((cache / "native").iterdir())  # nothing was built there
+
+
+def test_a_cache_inside_a_directory_others_may_change_is_not_used(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"  # like a /tmp without its sticky bit: others may rename entries
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("KAZEIA_CACHE", str(shared / "kazeia"))
+    native.reset()
+    try:
+        with pytest.warns(UserWarning, match="which another user may change"):
+            assert native.library() is None
+        shared.chmod(0o1777)  # sticky, as /tmp is: only owners may rename their entries
+        native.reset()
+        assert native.library() is not None
+    finally:
+        native.reset()

@@ -151,3 +151,18 @@ def test_random_websocket_messages_never_close_the_socket(client, messages):
                 break
             assert item["status"] == "cancelled", item
     _still_serving(client)
+
+
+def test_a_huge_integer_literal_is_a_400_and_keeps_the_socket(client):
+    """Python refuses integers of more than 4300 digits with a ValueError of its own."""
+    huge = "1" * 5000
+    r = client.post(
+        "/v1/audio/speech", content=f'{{"input": "x", "seed": {huge}}}', headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    with client.websocket_connect(ROUTE) as ws:
+        ws.send_text(f'{{"type": "cancel", "x": {huge}}}')
+        error = ws_receive(ws)
+        assert error["type"] == "error" and error["error"]["code"] == "invalid_json"
+        ws.send_json({"type": "session.update", "session": {"voice": "serena"}})
+        assert ws_receive(ws)["type"] == "session.updated"

@@ -6,6 +6,7 @@ loopback server refuses foreign Host names; the key may come from KAZEIA_API_KEY
 every address without a key warns).
 """
 
+import logging
 import os
 
 import httpx
@@ -17,7 +18,7 @@ from server_support import start_cli_server, stop_process
 from starlette.websockets import WebSocketDisconnect
 
 from kazeia.server import Limits, ServerConfig, create_app
-from kazeia.server.guard import loopback_hosts
+from kazeia.server.guard import RedactKeys, loopback_hosts
 
 KEY = "kz-test-key-0123"
 SPEECH = {"model": "tiny-custom", "input": "Guarded.", "voice": "serena", "max_new_tokens": 3}
@@ -32,6 +33,8 @@ def _client(engines, **config) -> TestClient:
 def test_a_loopback_server_answers_to_loopback_names_only(engines):
     assert loopback_hosts("127.0.0.1") == loopback_hosts("::1") == loopback_hosts("localhost")
     assert loopback_hosts("0.0.0.0") is None and loopback_hosts("192.168.1.20") is None
+    assert "127.0.0.2" in loopback_hosts("127.0.0.2") and "::ffff:127.0.0.1" in loopback_hosts("::ffff:127.0.0.1")
+    assert loopback_hosts("::ffff:10.0.0.1") is None
     with _client(engines, allowed_hosts=loopback_hosts("127.0.0.1")) as client:
         for host in ("127.0.0.1:8000", "localhost", "LOCALHOST:1234", "[::1]:8000", "127.0.0.1"):
             assert client.get("/v1/models", headers={"Host": host}).status_code == 200, host
@@ -155,6 +158,29 @@ def test_an_idle_websocket_is_closed(engines):
                 pass
             closed = ws.receive()  # nothing more to say or speak: closed after 0.3 s
         assert closed["type"] == "websocket.close" and closed["code"] == 1000 and "idle" in closed["reason"]
+
+
+def test_a_socket_whose_live_text_ended_badly_is_idle_too(engines):
+    """An utterance left open after its audio ended (here: text_timeout) only drops deltas: the
+    socket is idle and closed like any other, so it cannot hold a connection slot forever."""
+    with _client(engines, ws_idle_s=0.5, text_timeout=0.2) as client:
+        with client.websocket_connect(ROUTE) as ws:
+            ws.send_json({"type": "session.update", "session": {"voice": "serena", "max_new_tokens": 6}})
+            assert ws.receive_json()["type"] == "session.updated"
+            ws.send_json({"type": "input_text.append", "text": "And then nothing "})
+            while (message := ws.receive()).get("text") is None or '"text_timeout"' not in message["text"]:
+                assert message["type"] == "websocket.send", message
+            closed = ws.receive()
+        assert closed["type"] == "websocket.close" and "idle" in closed["reason"]
+
+
+def test_api_keys_in_websocket_paths_are_not_logged():
+    record = logging.LogRecord(
+        "uvicorn.error", logging.INFO, __file__, 1, '%s - "WebSocket %s" [accepted]',
+        ("127.0.0.1:5000", f"/v1/audio/speech/stream?api_key={KEY}&x=1"), None,
+    )  # fmt: skip
+    assert RedactKeys().filter(record)
+    assert KEY not in record.getMessage() and "api_key=***&x=1" in record.getMessage()
 
 
 def test_kazeia_serve_guards_by_default(tiny_checkpoints, tmp_path, monkeypatch):

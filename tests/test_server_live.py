@@ -210,3 +210,33 @@ def test_a_client_that_reads_nothing_is_cancelled_not_buffered(engines):
                 time.sleep(0.05)
             record = worker.records[0]
         assert record.status == "cancelled" and record.frames < 1199  # stopped long before its end
+
+
+def test_a_client_that_takes_a_chunk_now_and_then_is_cancelled():
+    """Taking one chunk just before each stall deadline must not hold the worker for hours: the
+    worker's waits for room are bounded in all by stall_s + the audio generated so far."""
+    import asyncio
+
+    from kazeia.server.worker import Job
+
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job(None, None, loop, max_buffered=100, stall_s=0.3)  # no generation: 0 s of audio
+        taken = []
+
+        async def trickle():  # one chunk every 0.2 s, each wait shorter than stall_s
+            async for item in job.outcomes():
+                taken.append(item)
+                await asyncio.sleep(0.2)
+
+        producer = threading.Thread(target=lambda: [job.put(b"x" * 100) for _ in range(20)], daemon=True)
+        consumer = loop.create_task(trickle())
+        producer.start()
+        loop.run_until_complete(asyncio.sleep(1.5))
+        producer.join(5)
+        consumer.cancel()
+        loop.run_until_complete(asyncio.gather(consumer, return_exceptions=True))
+    finally:
+        loop.close()
+    assert not producer.is_alive() and job.stalled and job.cancelled
+    assert len(taken) < 6  # stopped after ~0.3 s of waiting, not after 20 chunks (4 s)

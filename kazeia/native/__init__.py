@@ -111,7 +111,7 @@ def _private_dir(directory: Path) -> None:
             new.mkdir(mode=0o700)
         except FileExistsError:  # made meanwhile by a concurrent build: checked below
             pass
-    info = directory.stat()
+    info = directory.lstat()
     if not stat.S_ISDIR(info.st_mode):
         raise RuntimeError(f"the native cache {directory} is not a directory")
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
@@ -121,13 +121,48 @@ def _private_dir(directory: Path) -> None:
             f"the native cache {directory} is writable by others (mode {stat.S_IMODE(info.st_mode):o}); "
             f"make it private (chmod 700) or set KAZEIA_CACHE"
         )
+    # Its parents too: whoever may rename entries in one could swap the cache for another directory.
+    for parent in directory.resolve().parents:
+        up = parent.stat()
+        owner_ok = not hasattr(os, "getuid") or up.st_uid in (os.getuid(), 0)
+        # /tmp-like (sticky) is safe, and so is group write for the user's own group (a home
+        # directory on systems with a private group per user is often 775)
+        group_ok = hasattr(os, "getgid") and up.st_gid == os.getgid() and not up.st_mode & 0o002
+        shared = up.st_mode & 0o022 and not up.st_mode & stat.S_ISVTX and not group_ok
+        if not owner_ok or shared:
+            raise RuntimeError(
+                f"the native cache {directory} is inside {parent}, which another user may change "
+                f"(owner uid {up.st_uid}, mode {stat.S_IMODE(up.st_mode):o}); set KAZEIA_CACHE elsewhere"
+            )
 
 
 def _ours(path: Path) -> bool:
     """A regular file (not a link) owned by this user that nobody else may write."""
-    info = path.lstat()
+    return _private_file(path.lstat())
+
+
+def _private_file(info: os.stat_result) -> bool:
     owner = not hasattr(os, "getuid") or info.st_uid == os.getuid()
     return stat.S_ISREG(info.st_mode) and owner and not info.st_mode & 0o022
+
+
+def _load_checked(path: Path) -> ctypes.CDLL:
+    """Load `path` (in a directory only this user may change: `_private_dir`), checked again as
+    the file that is opened, and the same file (device and inode) after it has been loaded.
+    (Not through /proc/self/fd: the loader matches libraries by name, and descriptor numbers are
+    reused.)"""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        checked = os.fstat(fd)
+        if not _private_file(checked):
+            raise RuntimeError(f"{path} changed after it was checked")
+        lib = ctypes.CDLL(str(path))
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (checked.st_dev, checked.st_ino):
+            raise RuntimeError(f"{path} was replaced while it was loaded")
+        return lib
+    finally:
+        os.close(fd)
 
 
 STALE_DAYS = 30  # builds not loaded for this long are removed when another one is built
@@ -184,7 +219,7 @@ def reset() -> None:
 def _library(options: tuple[str, ...]) -> ctypes.CDLL | None:
     try:
         path = build(options=options)
-        lib = ctypes.CDLL(str(path))
+        lib = _load_checked(path)
         _check_exports(lib, path)
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         what = "native decode steps and vocoder activation unavailable, using eager PyTorch"

@@ -39,19 +39,20 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
     import uvicorn
 
     from .app import create_app
-    from .guard import loopback_hosts
+    from .guard import RedactKeys, loopback_hosts
 
     if config.allowed_hosts is None:
         config = dataclasses.replace(config, allowed_hosts=loopback_hosts(host))
     if config.allowed_hosts is None and config.api_key is None:
         logging.getLogger("kazeia.server").warning(
-            "serving on %s without an API key: anyone who can reach this address can use the server "
-            "(and its saved voices); pass --api-key or set KAZEIA_API_KEY",
+            "serving on %s without an API key: anyone who can reach this address, and any web page "
+            "opened on a machine that can (DNS rebinding), can use the server and its saved voices; "
+            "pass --api-key or set KAZEIA_API_KEY",
             host,
         )
     app = create_app(engine, config)
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=log_level.upper())
-    uvicorn.run(
+    settings = uvicorn.Config(  # configures uvicorn's loggers, so the filter goes on after it
         app,
         host=host,
         port=port,
@@ -60,3 +61,6 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
         limit_concurrency=config.max_connections,
         timeout_graceful_shutdown=5,  # streams still open after 5 s are cut; their jobs are cancelled
     )
+    for name in ("uvicorn.error", "uvicorn.access"):  # WebSocket paths are logged with their ?api_key=
+        logging.getLogger(name).addFilter(RedactKeys())
+    uvicorn.Server(settings).run()

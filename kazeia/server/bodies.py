@@ -43,10 +43,10 @@ def json_object(raw: bytes | str, what: str = "request body") -> dict:
     """Parse a JSON object; anything else is a 400."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:
         raise ApiError(400, f"the {what} is nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer over Python's digit limit
+        raise ApiError(400, f"the {what} is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the {what} must be a JSON object, got {type(body).__name__}", code="invalid_json")
     return body

@@ -21,6 +21,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import logging
+import re
 from urllib.parse import parse_qs, urlsplit
 
 from .config import ServerConfig
@@ -31,14 +33,17 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
 def loopback_hosts(host: str) -> tuple[str, ...] | None:
-    """The Host names to accept when listening on `host`: loopback names when it is a loopback
-    address or name, None (any) otherwise."""
+    """The Host names to accept when listening on `host`: the loopback names and `host` itself
+    when it is a loopback address or name (127.0.0.2, ::ffff:127.0.0.1 too), None (any) otherwise."""
     name = host.strip("[]").lower()
     try:
-        loopback = name == "localhost" or ipaddress.ip_address(name).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
-        loopback = False
-    return LOOPBACK_NAMES if loopback else None
+        return LOOPBACK_NAMES if name == "localhost" else None
+    mapped = address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else None
+    if not (address.is_loopback or (mapped is not None and mapped.is_loopback)):
+        return None
+    return tuple(dict.fromkeys((*LOOPBACK_NAMES, name, str(address))))
 
 
 def _host_name(host: str) -> str:
@@ -106,6 +111,20 @@ class Guard:
         elif scope["type"] == "websocket":
             given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[0]
         return hmac.compare_digest(given.encode(), self.key)
+
+
+class RedactKeys(logging.Filter):
+    """Replace `api_key=...` in log lines (uvicorn logs WebSocket paths with their query) by ***."""
+
+    PATTERN = re.compile(r"(api_key=)[^&\s\"']+", re.IGNORECASE)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.args:
+            args = record.args if isinstance(record.args, tuple) else (record.args,)
+            record.args = tuple(self.PATTERN.sub(r"\1***", a) if isinstance(a, str) else a for a in args)
+        if isinstance(record.msg, str):
+            record.msg = self.PATTERN.sub(r"\1***", record.msg)
+        return True
 
 
 async def _respond(send, error: ApiError) -> None:

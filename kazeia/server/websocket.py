@@ -24,6 +24,7 @@ of one reply can never start another utterance behind the client's back.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import deque
@@ -45,6 +46,7 @@ from .worker import Busy, Job, Outcome
 
 ROUTE = "/v1/audio/speech/stream"
 router = APIRouter()
+log = logging.getLogger("kazeia.server")
 FIELDS = {  # message type -> its fields besides `type`
     "session.update": ("session",),
     "input_text": ("text",),
@@ -83,8 +85,10 @@ class _Session:
         self.idle: anyio.CancelScope | None = None  # the receive under way, cancelled once idle too long
 
     def busy(self) -> bool:
-        """Something is queued, being spoken or taking text."""
-        return bool(self.pending) or self.current is not None or self.open is not None
+        """Something is queued, being spoken or taking text (an open utterance whose audio has
+        ended only drops its deltas: it does not keep the socket from being idle)."""
+        taking_text = self.open is not None and not self.open.over
+        return bool(self.pending) or self.current is not None or taking_text
 
     def rearm(self) -> None:
         """Restart the idle clock of the receive under way: none while busy, ws_idle_s from now otherwise."""
@@ -305,6 +309,12 @@ async def speech_socket(socket: WebSocket) -> None:
                 await session.receive(message)
             except ApiError as error:
                 await session.error(error)
+            except WebSocketDisconnect:
+                raise
+            except Exception:  # a bug must not drop the socket: the client hears of it, the log has it
+                log.exception("a WebSocket message could not be handled")
+                failure = ApiError(500, "the message could not be handled (see the server log)", code="internal_error")
+                await session.error(failure)
     except WebSocketDisconnect:
         pass
     finally:

@@ -34,6 +34,7 @@ from .formats import Encoder
 from .metrics import ServerMetrics
 
 log = logging.getLogger("kazeia.server")
+FRAME_S = 1920 / SAMPLE_RATE  # seconds of audio per generated frame
 _ids = itertools.count(1)
 
 
@@ -74,7 +75,10 @@ class Job:
     """One utterance: what to say, its encoder, and the queue its bytes go to.
 
     The queue holds at most `max_buffered` bytes the client has not taken: the worker waits for
-    room, and a client that takes nothing for `stall_s` seconds is cancelled as if it had left."""
+    room. A client that takes nothing for `stall_s` seconds is cancelled as if it had left, and so
+    is one that keeps the worker waiting for room longer in all than `stall_s` plus the duration
+    of the audio generated so far: a player taking audio in real time never does, a client that
+    takes a chunk now and then would otherwise hold the worker for hours."""
 
     def __init__(
         self,
@@ -95,6 +99,7 @@ class Job:
         self.stalled = False  # cancelled because the client stopped taking its audio
         self.max_buffered, self.stall_s = max_buffered, stall_s
         self._buffered = 0  # bytes handed to the event loop and not yet taken by the client
+        self._waited = 0.0  # seconds the worker has spent waiting for room, in all
         self._room = threading.Condition()
         self._cancelled = threading.Event()
 
@@ -132,16 +137,23 @@ class Job:
         under `max_buffered`; after `stall_s` without any taken, the job is cancelled instead."""
         if isinstance(item, bytes):
             with self._room:
-                deadline = time.monotonic() + self.stall_s
+                began = time.monotonic()
+                deadline = began + self.stall_s
+                frames = 0 if self.stream is None else self.stream.frames_generated
+                allowance = self.stall_s + frames * FRAME_S - self._waited  # of the whole-job bound
                 while self._buffered > 0 and self._buffered + len(item) > self.max_buffered:
-                    left = deadline - time.monotonic()
+                    now = time.monotonic()
+                    left = min(deadline - now, allowance - (now - began))
                     if self.cancelled:
-                        return
+                        break
                     if left <= 0:
                         self.stalled = True
                         self.cancel()
-                        return
+                        break
                     self._room.wait(min(left, 0.1))
+                self._waited += time.monotonic() - began
+                if self.cancelled:
+                    return
                 self._buffered += len(item)
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, item)
