@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
-
-from kazeia.testing import write_checkpoint
 
 CACHE = Path(os.environ.get("KAZEIA_BENCH_DIR", Path.home() / ".cache" / "kazeia" / "bench"))
 
@@ -19,19 +19,22 @@ def real_checkpoint(size: str = "0.6B", kind: str = "custom_voice") -> Path:
     path = CACHE / f"{size}-{kind}"
     if not (path / "speech_tokenizer" / "model.safetensors").is_file():
         print(f"writing a real-size random {size} {kind} checkpoint to {path} (once) ...", flush=True)
-        write_checkpoint(path, size, kind, tiny=False, seed=0, dtype=torch.bfloat16)
+        # In a process of its own, as `prepared_checkpoint` does (the workers inherit peak RSS).
+        code = "import sys, torch; from kazeia.testing import write_checkpoint as w; "
+        code += "w(sys.argv[1], sys.argv[2], sys.argv[3], tiny=False, seed=0, dtype=torch.bfloat16)"
+        subprocess.run([sys.executable, "-c", code, str(path), size, kind], check=True)
     return path
 
 
 def prepared_checkpoint(size: str, dtype: str, kind: str = "custom_voice") -> Path:
     """`real_checkpoint` prepared for `dtype` by `kazeia quantize` (kazeia/prepared.py), cached."""
-    from kazeia.prepared import quantize
-
     path = CACHE / f"{size}-{kind}-prepared-{dtype}"
     if not (path / "model.safetensors").is_file():
         print(f"preparing {path} for {dtype} (once) ...", flush=True)
         shutil.rmtree(path, ignore_errors=True)
-        quantize(real_checkpoint(size, kind), path, dtype)
+        # In a process of its own: the workers inherit this one's peak RSS, which must stay small.
+        command = [sys.executable, "-m", "kazeia", "quantize", str(real_checkpoint(size, kind)), str(path)]
+        subprocess.run([*command, "--dtype", dtype], check=True)
     return path
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import TransformerConfig
-from .layers import Decoder, KVCache
+from .layers import Decoder, KVCache, table
 
 
 class CodePredictor(Decoder):
@@ -22,7 +22,7 @@ class CodePredictor(Decoder):
         super().__init__(cfg)
         self.cfg = cfg
         groups = num_code_groups - 1  # codebooks predicted here (15)
-        self.codec_embedding = nn.ModuleList(nn.Embedding(vocab, talker_dim) for _ in range(groups))
+        self.codec_embedding = nn.ModuleList(table(vocab, talker_dim) for _ in range(groups))
         self.lm_head = nn.ModuleList(nn.Linear(cfg.hidden_size, vocab, bias=False) for _ in range(groups))
         # 1.7B: talker width 2048 -> predictor width 1024; 0.6B: same width, no weights.
         if talker_dim != cfg.hidden_size:

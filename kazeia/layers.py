@@ -55,9 +55,12 @@ class Rotary(nn.Module):
         self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute the derived buffer, e.g. after the module was built on the meta device."""
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        self.inv_freq = 1.0 / (self.theta**exponent)
+        """(Re)compute the derived buffer, e.g. after the module was built on the meta device.
+        Computed on the CPU whatever the default device: the first such operation on the meta
+        device costs ~1 s (PyTorch imports its Python decompositions), on every load."""
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu").float() / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponent)
+        self.inv_freq = inv_freq if device is None else inv_freq.to(device)
         self._tables = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +170,9 @@ class Attention(nn.Module):
         the two qk-norm weights by one (heads + kv_heads, hd) scale."""
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.q_norm.weight.is_meta:  # rebuilt by init_buffers once loaded
+            self.qk_norm_weight = torch.empty(self.heads + self.kv_heads, self.head_dim, device="meta")
+        elif self.q_norm is not None:
             self.qk_norm_weight = self._qk_scale()
 
     def init_buffers(self, device) -> None:
@@ -264,9 +269,20 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def table(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table to be loaded from a checkpoint: left uninitialized (random init would be
+    wasted, and the first one on the meta device costs ~1 s of PyTorch imports on every load)."""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 def fuse_linears(*linears: nn.Linear) -> nn.Linear:
-    """One bias-free Linear whose output is the concatenation of `linears`' outputs."""
-    weight = torch.cat([lin.weight for lin in linears], dim=0)
+    """One bias-free Linear whose output is the concatenation of `linears`' outputs. On the meta
+    device (a prepared checkpoint's shapes) only the shape is made: operations there cost ~1 s of
+    PyTorch imports the first time."""
+    if any(lin.weight.is_meta for lin in linears):
+        weight = torch.empty(sum(lin.out_features for lin in linears), linears[0].in_features, device="meta")
+    else:
+        weight = torch.cat([lin.weight for lin in linears], dim=0)
     fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     fused.weight = nn.Parameter(weight, requires_grad=False)
     return fused

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -118,6 +119,7 @@ def load_int8(model: nn.Module, path: Path, lib) -> None:
     from .quant import QuantEmbedding, QuantLinear
 
     tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(SKIPPED_PREFIXES))
+    jobs = []  # (parent, attribute, the QuantLinear's arguments)
     for parent_name, parent in list(model.named_modules()):
         for child, linear in list(parent.named_children()):
             if not isinstance(linear, nn.Linear):
@@ -130,7 +132,12 @@ def load_int8(model: nn.Module, path: Path, lib) -> None:
                 raise CheckpointError(
                     f"{path}: {name} is stored as {tuple(qweight.shape)} {qweight.dtype}, expected {shape} int8"
                 )
-            setattr(parent, child, QuantLinear.from_int8(qweight, scales.float(), bias, lib))
+            jobs.append((parent, child, (qweight, scales.float(), bias, lib)))
+    # Packing the weights for the int8 GEMM is most of the time left; torch releases the GIL there.
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        made = list(pool.map(lambda job: QuantLinear.from_int8(*job[2]), jobs))
+    for (parent, child, _), linear in zip(jobs, made, strict=True):
+        setattr(parent, child, linear)
     table = model.talker.text_embedding
     qweight = _take(tensors, "talker.text_embedding.qweight", path)
     scales = _take(tensors, "talker.text_embedding.scales", path)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TalkerConfig
-from .layers import Decoder, KVCache
+from .layers import Decoder, KVCache, table
 
 
 class TextProjection(nn.Module):
@@ -35,9 +35,9 @@ class Talker(Decoder):
     def __init__(self, cfg: TalkerConfig):
         super().__init__(cfg.stack)
         self.cfg = cfg
-        self.text_embedding = nn.Embedding(cfg.text_vocab_size, cfg.text_hidden_size)
+        self.text_embedding = table(cfg.text_vocab_size, cfg.text_hidden_size)
         self.text_projection = TextProjection(cfg.text_hidden_size, cfg.stack.hidden_size)
-        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.stack.hidden_size)
+        self.codec_embedding = table(cfg.vocab_size, cfg.stack.hidden_size)
         self.codec_head = nn.Linear(cfg.stack.hidden_size, cfg.vocab_size, bias=False)
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
