@@ -6,7 +6,9 @@ S = cached positions, nh / nkv = query / key-value heads, hd = head dim.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -399,16 +401,27 @@ def pack_linears(module: nn.Module, after_each: Callable[[], None] | None = None
 
 
 def replace_linears(
-    module: nn.Module, convert: Callable[[nn.Linear], nn.Module], after_each: Callable[[], None] | None = None
+    module: nn.Module,
+    convert: Callable[[nn.Linear], nn.Module],
+    after_each: Callable[[], None] | None = None,
+    workers: int = 1,
 ) -> None:
-    """Replace every nn.Linear inside `module` by `convert(linear)`, in place, one at a time;
-    `after_each` runs after each parent module's linears are replaced (loading passes one that
-    returns freed memory to the OS)."""
+    """Replace every nn.Linear inside `module` by `convert(linear)`, in place, one at a time (with
+    `workers` > 1, the linears of one parent module at once, in threads: for conversions that
+    release the GIL); `after_each` runs after each parent module's linears are replaced (loading
+    passes one that returns freed memory to the OS)."""
     # Collect the parents only: a list of every module would keep each old weight alive until the
     # end, so all converted copies would pile up next to all originals at the peak.
     parents = [m for m in module.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
-    for parent in parents:
-        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
-            setattr(parent, name, convert(getattr(parent, name)))
-        if after_each is not None:
-            after_each()
+    with ThreadPoolExecutor(max_workers=workers) if workers > 1 else contextlib.nullcontext() as pool:
+        for parent in parents:
+            names = [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]
+            if pool is not None and len(names) > 1:
+                made = list(pool.map(lambda n: convert(getattr(parent, n)), names))  # noqa: B023 (used at once)
+                for name, converted in zip(names, made, strict=True):
+                    setattr(parent, name, converted)
+            else:
+                for name in names:
+                    setattr(parent, name, convert(getattr(parent, name)))
+            if after_each is not None:
+                after_each()

@@ -22,6 +22,7 @@ wherever the native library is available (the native decode step, and `QuantLine
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable
 
@@ -223,4 +224,5 @@ class QuantEmbedding(nn.Module):
 def quantize_linears(module: nn.Module, lib=None, after_each: Callable[[], None] | None = None) -> None:
     """Replace every nn.Linear inside `module` by a QuantLinear, in place (one weight at a time);
     `lib`: the native library their products use (None: PyTorch operations only)."""
-    replace_linears(module, lambda linear: QuantLinear.from_float(linear.weight, linear.bias, lib), after_each)
+    convert = lambda linear: QuantLinear.from_float(linear.weight, linear.bias, lib)  # noqa: E731
+    replace_linears(module, convert, after_each, workers=os.cpu_count() or 1)  # the GEMM's packing releases the GIL

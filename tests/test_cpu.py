@@ -103,6 +103,7 @@ ISA_SENSITIVE = [
     "test_parity.py",
     "test_engine.py",
     "test_streaming.py",
+    "test_prepared.py",
 ]
 NESTED = "KAZEIA_TEST_ISA_LEVEL"  # set in the runs below, so they do not start runs of their own
 

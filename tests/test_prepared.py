@@ -105,5 +105,5 @@ def test_kazeia_quantize_command(tiny_checkpoints, tmp_path, capsys):
     )
     assert main(["quantize", str(tiny_checkpoints["0.6B-custom"]), str(target), "--dtype", "float16"]) == 2
     assert "not an empty directory" in capsys.readouterr().err
-    assert main(["say", "Hi.", "--model", str(target), "--dtype", "int8", "-o", str(tmp_path / "x.wav")]) == 2
+    assert main(["say", "Hi.", "--model", str(target), "--dtype", "bfloat16", "-o", str(tmp_path / "x.wav")]) == 2
     assert "prepared for float16" in capsys.readouterr().err
