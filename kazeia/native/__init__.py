@@ -31,6 +31,7 @@ import torch
 from .. import cpu
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c"))
+HEADERS = (Path(__file__).with_name("dtypes.h"),)  # included by the sources: part of the build key
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
 # target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
@@ -68,7 +69,7 @@ def build(compiler: str | None = None, target_dir: Path | None = None, options: 
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} not found")
     options = flags() if options is None else options
-    sources = [source.read_bytes() for source in SOURCES]
+    sources = [source.read_bytes() for source in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
         b"\0".join([*sources, " ".join(options).encode(), compiler.encode(), _cpu_signature().encode()])
     )

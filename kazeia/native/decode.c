@@ -18,51 +18,15 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float from_bf16(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "dtypes.h"
 
-static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-#ifdef __FLT16_MAX__ /* the compiler has IEEE half precision (conversions round to nearest even) */
-typedef _Float16 half;
-int has_float16(void) { return 1; }
-#else
-typedef uint16_t half; /* never used: the caller checks has_float16() */
-int has_float16(void) { return 0; }
-#endif
+int has_float16(void) { return KAZEIA_HAS_FLOAT16; }
 
 #ifndef KAZEIA_BUILD_KEY
 #define KAZEIA_BUILD_KEY ""
 #endif
 /* The hash that names this build (sources, flags, compiler, CPU): Kazeia checks it after loading. */
 const char *build_key(void) { return KAZEIA_BUILD_KEY; }
-
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float load(const void *p, long i, int dt) {
-    if (dt == BF16) return from_bf16(((const uint16_t *)p)[i]);
-    if (dt == F16) return (float)((const half *)p)[i];
-    return ((const float *)p)[i];
-}
-
-static inline void store(void *p, long i, float v, int dt) {
-    if (dt == BF16)
-        ((uint16_t *)p)[i] = to_bf16(v);
-    else if (dt == F16)
-        ((half *)p)[i] = (half)v;
-    else
-        ((float *)p)[i] = v;
-}
 
 static inline float rnd(float v, int dt) {
     if (dt == BF16) return from_bf16(to_bf16(v));

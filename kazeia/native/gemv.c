@@ -24,55 +24,7 @@
 #include <immintrin.h>
 #endif
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-#ifdef __FLT16_MAX__
-typedef _Float16 half;
-static inline float f16_to_f32(uint16_t v) {
-    half h;
-    memcpy(&h, &v, sizeof h);
-    return (float)h;
-}
-static inline uint16_t f32_to_f16(float f) {
-    half h = (half)f;
-    uint16_t v;
-    memcpy(&v, &h, sizeof v);
-    return v;
-}
-#else
-static inline float f16_to_f32(uint16_t v) { return (float)v; } /* never called: see has_float16 */
-static inline uint16_t f32_to_f16(float f) { return (uint16_t)f; }
-#endif
-
-static inline float widen(const void *p, long i, int dt) {
-    if (dt == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-    if (dt == F16) return f16_to_f32(((const uint16_t *)p)[i]);
-    return ((const float *)p)[i];
-}
-
-static inline void narrow(void *p, long i, float v, int dt) {
-    if (dt == BF16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else if (dt == F16)
-        ((uint16_t *)p)[i] = f32_to_f16(v);
-    else
-        ((float *)p)[i] = v;
-}
+#include "dtypes.h"
 
 /* Which instructions this build uses, for tests and logs: 512 (AVX-512), 256 (AVX2 + FMA) or 0. */
 int gemv_vector_bits(void) {
@@ -171,7 +123,7 @@ static void row_dot(const void *w, int dt, const float *xf, int m, long cols, fl
         for (int l = 0; l < LANES; l++) part[i][l] = 0.0f;
     for (; c + LANES <= cols; c += LANES)
         for (int l = 0; l < LANES; l++) {
-            float wv = widen(w, c + l, dt);
+            float wv = load(w, c + l, dt);
             part[0][l] += wv * xf[c + l];
             if (m > 1) part[1][l] += wv * xf[cols + c + l];
         }
@@ -182,7 +134,7 @@ static void row_dot(const void *w, int dt, const float *xf, int m, long cols, fl
     }
 #endif
     for (int i = 0; i < m; i++)
-        for (long k = c; k < cols; k++) sums[i] += widen(w, k, dt) * xf[(long)i * cols + k];
+        for (long k = c; k < cols; k++) sums[i] += load(w, k, dt) * xf[(long)i * cols + k];
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -206,7 +158,7 @@ static void row_dot_bf16(const uint16_t *w, const uint16_t *x, int m, long cols,
     }
     for (int i = 0; i < m; i++) {
         float s = vsum(vadd(vadd(a[i][0], a[i][1]), vadd(a[i][2], a[i][3])));
-        for (long k = c; k < cols; k++) s += bf16_to_f32(w[k]) * bf16_to_f32(x[(long)i * cols + k]);
+        for (long k = c; k < cols; k++) s += from_bf16(w[k]) * from_bf16(x[(long)i * cols + k]);
         sums[i] = s;
     }
 }
@@ -217,7 +169,7 @@ static void row_dot_bf16(const uint16_t *w, const uint16_t *x, int m, long cols,
 int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt) {
     if (m < 1 || m > 2) return -1;
     float xf[2 * cols];
-    for (long i = 0; i < m * cols; i++) xf[i] = widen(x, i, dt);
+    for (long i = 0; i < m * cols; i++) xf[i] = load(x, i, dt);
     const long width = dt == F32 ? 4 : 2; /* bytes per value */
     for (long r = 0; r < rows; r++) {
         const void *row = (const char *)w + r * cols * width;
@@ -230,8 +182,8 @@ int gemv(const void *w, const void *x, const void *bias, void *y, long rows, lon
             row_dot(row, dt, xf, m, cols, sums);
         for (int i = 0; i < m; i++) {
             float v = sums[i];
-            if (bias) v += widen(bias, r, dt);
-            narrow(y, (long)i * rows + r, v, dt);
+            if (bias) v += load(bias, r, dt);
+            store(y, (long)i * rows + r, v, dt);
         }
     }
     return 0;
