@@ -11,3 +11,13 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+def check_text(field: str, value: str) -> None:
+    """A string the tokenizer can take: encodable as UTF-8 (no lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            field, f"{field} is not valid Unicode: {value[e.start]!r} at character {e.start} is a lone surrogate"
+        ) from None

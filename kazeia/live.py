@@ -23,7 +23,7 @@ from collections.abc import AsyncIterable, Callable, Iterable
 
 import torch
 
-from .errors import RequestError
+from .errors import RequestError, check_text
 from .text import TextTokenizer
 
 _END = object()
@@ -39,10 +39,7 @@ class TextFeed:
     def append(self, delta: str) -> None:
         if not isinstance(delta, str):
             raise RequestError("text", f"text deltas must be strings, got {type(delta).__name__}")
-        try:
-            delta.encode("utf-8")
-        except UnicodeEncodeError:
-            raise RequestError("text", "a text delta is not valid Unicode (a lone surrogate)") from None
+        check_text("text", delta)
         if self._ended:
             raise ValueError("the text feed has ended; no more text can be appended")
         self._queue.put(delta)

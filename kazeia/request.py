@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass, replace
 
 from .config import ModelConfig
-from .errors import RequestError
+from .errors import RequestError, check_text
 from .live import LiveText, TextFeed, as_feed
 from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, has_text, prompt_positions
 from .sampling import SamplingOptions
@@ -149,16 +149,6 @@ def bounded(rules: Rules, request: Request, text_tokens: int) -> Request:
             f"positions; ask for at most {limit - positions}",
         )
     return replace(request, prompt_positions=positions)
-
-
-def check_text(field: str, value: str) -> None:
-    """A string the tokenizer can take: encodable as UTF-8 (no lone surrogates)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(
-            field, f"{field} is not valid Unicode: {value[e.start]!r} at character {e.start} is a lone surrogate"
-        ) from None
 
 
 def ref_text_ids(rules: Rules, ref_text: str) -> list[int]:

@@ -97,11 +97,11 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ValueError("model_name must be a non-empty string")
-        for name in ("queue_size", "first_chunk_frames", "chunk_frames"):
+        for name in ("queue_size", "first_chunk_frames", "chunk_frames", "max_connections"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("text_timeout", "text_deadline"):
+        for name in ("text_timeout", "text_deadline", "ws_idle_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -120,14 +120,6 @@ class ServerConfig:
                 )
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
             raise ValueError("api_key must be a string of at least 8 characters")
-        if (
-            isinstance(self.max_connections, bool)
-            or not isinstance(self.max_connections, int)
-            or self.max_connections < 1
-        ):
-            raise ValueError(f"max_connections must be an integer >= 1, got {self.max_connections!r}")
-        if not self.ws_idle_s > 0:
-            raise ValueError(f"ws_idle_s must be > 0, got {self.ws_idle_s!r}")
         if not isinstance(self.voices_dir, (str, os.PathLike)) or not str(self.voices_dir).strip():
             raise ValueError(f"voices_dir must be a directory path, got {self.voices_dir!r}")
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..engine import Engine
+from ..errors import check_text
 from ..live import TextFeed
-from ..request import Request, check_text, validate_options
+from ..request import Request, validate_options
 from ..sampling import SamplingOptions
 from .bodies import check_length, check_tokens, refuse_unknown
 from .config import Limits, ServerConfig

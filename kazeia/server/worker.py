@@ -134,16 +134,15 @@ class Job:
 
     def put(self, item) -> None:
         """From the worker thread: hand bytes or the Outcome to the event loop. Bytes wait for room
-        under `max_buffered`; after `stall_s` without any taken, the job is cancelled instead."""
+        under `max_buffered`; past the stall bounds (the class docstring) the job is cancelled instead."""
         if isinstance(item, bytes):
             with self._room:
                 began = time.monotonic()
-                deadline = began + self.stall_s
                 frames = 0 if self.stream is None else self.stream.frames_generated
-                allowance = self.stall_s + frames * FRAME_S - self._waited  # of the whole-job bound
+                whole_job = self.stall_s + frames * FRAME_S - self._waited  # what the job may still wait
+                until = began + min(self.stall_s, whole_job)
                 while self._buffered > 0 and self._buffered + len(item) > self.max_buffered:
-                    now = time.monotonic()
-                    left = min(deadline - now, allowance - (now - began))
+                    left = until - time.monotonic()
                     if self.cancelled:
                         break
                     if left <= 0:
