@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, precisions, prepared_checkpoint, real_checkpoint
+from common import machine, precisions, prepared_checkpoint, read_through, real_checkpoint
 
 TEXT = "Kazeia reads every weight once per frame, so its speed is set by memory bandwidth."
 VOICE, LANGUAGE = "serena", "english"
@@ -305,14 +305,6 @@ def competing(count: int):
             process.wait()
 
 
-def _read_through(path: Path) -> None:
-    """Read a file once so that "load s" measures loading, not the disk: the page cache then
-    holds it, as it does on a machine that loaded the model before (what a restart meets)."""
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
-
-
 def spawn(
     kind: str, path: Path, dtype: str, frames: int, threads: int | None, repeats: int, long_frames: int = 0
 ) -> dict:
@@ -338,7 +330,7 @@ def spawn(
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     print(f"  running {kind} {dtype} ...", flush=True)
-    _read_through(path / "model.safetensors")
+    read_through(path / "model.safetensors")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}

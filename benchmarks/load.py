@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import machine, prepared_checkpoint, real_checkpoint
+from common import machine, prepared_checkpoint, read_through, real_checkpoint
 
 WORKER = """
 import json, resource, sys, time
@@ -32,12 +32,6 @@ speech = engine.synthesize("Start-up time.", voice="ryan", do_sample=False, subt
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 print(json.dumps({"load_s": load_s, "first_s": speech.metrics.wall_s, "rss_gb": rss}))
 """
-
-
-def read_through(path: Path) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
 
 
 def measure(path: Path, dtype: str) -> dict:

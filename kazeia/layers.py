@@ -172,9 +172,7 @@ class Attention(nn.Module):
         the two qk-norm weights by one (heads + kv_heads, hd) scale."""
         self.qkv_proj = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
-        if self.q_norm is not None and self.q_norm.weight.is_meta:  # rebuilt by init_buffers once loaded
-            self.qk_norm_weight = torch.empty(self.heads + self.kv_heads, self.head_dim, device="meta")
-        elif self.q_norm is not None:
+        if self.q_norm is not None and not self.q_norm.weight.is_meta:  # else init_buffers, once loaded
             self.qk_norm_weight = self._qk_scale()
 
     def init_buffers(self, device) -> None:

@@ -72,16 +72,18 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike, dtype: str, *
     if (already := prepared_dtype(weights)) is not None:
         raise ValueError(f"{weights} is already prepared (for {already}); prepare the released checkpoint instead")
     cfg = ModelConfig.from_file(files["config.json"])
-    released = load_tensors(weights, mmap=False)
-    kept = {name: t for name, t in released.items() if name.startswith(SKIPPED_PREFIXES)}
-    if dtype == "int8":
-        model = TTSModel.load(cfg, weights, "cpu", "int8")
-        tensors = {**int8_tensors(model), **kept}
+
+    def kept(name: str) -> bool:  # the speaker encoder's tensors (Base), as released
+        return name.startswith(SKIPPED_PREFIXES)
+
+    if dtype == "int8":  # the model loads the file itself; only the kept tensors are read here
+        tensors = {**int8_tensors(TTSModel.load(cfg, weights, "cpu", "int8")), **load_tensors(weights, wanted=kept)}
     else:
+        released = load_tensors(weights, mmap=False)
         rename(released, str(weights), skip_speaker_encoder=cfg.tts_model_type == "base")  # checks every name
         floats = DTYPES[dtype]
-        tensors = {n: t if n in kept or not t.is_floating_point() else t.to(floats) for n, t in released.items()}
-    del released
+        tensors = {n: t if kept(n) or not t.is_floating_point() else t.to(floats) for n, t in released.items()}
+        del released
     root = os.path.realpath(files.root)
 
     def weights_file(directory: str, names: list[str]) -> list[str]:  # only the top-level one
