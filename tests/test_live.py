@@ -117,48 +117,41 @@ def test_idle_source_times_out(engines):
         list(stream)
 
 
+def _fails_while_fed(stream, feed: TextFeed, delta, period: float, match: str) -> None:
+    """Append `delta()` every `period` s from a thread while `stream` runs: it must fail with a
+    TextTimeout matching `match`, within 5 s."""
+    stop = threading.Event()
+
+    def feeding():
+        while not stop.is_set():
+            feed.append(delta())
+            time.sleep(period)
+
+    threading.Thread(target=feeding, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TextTimeout, match=match):
+            list(stream)
+    finally:
+        stop.set()
+    assert time.monotonic() - start < 5.0
+
+
 def test_blank_deltas_do_not_keep_a_live_text_alive(engines):
     """Empty or whitespace-only deltas every 0.1 s do not reset a 0.5 s text_timeout (they do
     not advance the utterance): it fails after ~0.5 s, not never."""
     feed = TextFeed()
     stream = engines["0.6B-custom"].stream(feed, text_timeout=0.5, **OPTIONS)
     feed.append("Hello ")
-    stop = threading.Event()
-
-    def keep_alive():
-        while not stop.is_set():
-            feed.append(" " if random.random() < 0.5 else "")
-            time.sleep(0.1)
-
-    threading.Thread(target=keep_alive, daemon=True).start()
-    start = time.monotonic()
-    try:
-        with pytest.raises(TextTimeout, match="no new text arrived for 0.5 s"):
-            list(stream)
-    finally:
-        stop.set()
-    assert time.monotonic() - start < 5.0
+    blank = lambda: " " if random.random() < 0.5 else ""  # noqa: E731
+    _fails_while_fed(stream, feed, blank, 0.1, "no new text arrived for 0.5 s")
 
 
 def test_a_live_text_that_never_ends_meets_its_deadline(engines):
     """A source that keeps adding words but never ends fails at `text_deadline`."""
     feed = TextFeed()
     stream = engines["0.6B-custom"].stream(feed, text_deadline=0.8, non_streaming_mode=True, **OPTIONS)
-    stop = threading.Event()
-
-    def talk():
-        while not stop.is_set():
-            feed.append("word ")
-            time.sleep(0.05)
-
-    threading.Thread(target=talk, daemon=True).start()
-    start = time.monotonic()
-    try:
-        with pytest.raises(TextTimeout, match="did not end within 0.8 s"):
-            list(stream)
-    finally:
-        stop.set()
-    assert time.monotonic() - start < 5.0
+    _fails_while_fed(stream, feed, lambda: "word ", 0.05, "did not end within 0.8 s")
 
 
 def test_closing_while_waiting_for_text_stops_everything(engines):
