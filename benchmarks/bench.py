@@ -43,7 +43,6 @@ from common import machine, precisions, prepared_checkpoint, read_through, real_
 
 TEXT = "Kazeia reads every weight once per frame, so its speed is set by memory bandwidth."
 VOICE, LANGUAGE = "serena", "english"
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 # Figures of a GGML-based C++ engine on a 2-core x86 machine of the CI kind, same random weights,
 # 50 frames, 2 threads, as reported in the project's issue tracker (another run, another day).
 CPP_ENGINE = {
@@ -167,7 +166,7 @@ def run_kazeia(path: Path, dtype: str, frames: int, repeats: int, threads: int |
         "floor_ms": 1000 * floor_s,
         "x_floor": generate_s / frames / floor_s,
         "weight_reads": reads,
-        "gemv_gbps": reads * BYTES[engine_dtype(engine)] / floor_s / 1e9,  # int8: scales aside
+        "gemv_gbps": weight_reads(engine, stored_bytes) / floor_s / 1e9,
         "vocoder_ms": 1000 * vocoder_s / frames,
         "wall_s": offline.metrics.wall_s,
         "rtf": offline.metrics.rtf,
@@ -182,11 +181,12 @@ def _products(engine) -> tuple[list, list, list]:
     heads (once per codebook)."""
     from torch import nn
 
+    from kazeia.int4 import HeadLinear, Int4Linear
     from kazeia.layers import PackedLinear
     from kazeia.native.linear import NativeLinear
     from kazeia.quant import QuantLinear
 
-    kinds = (nn.Linear, PackedLinear, NativeLinear, QuantLinear)
+    kinds = (nn.Linear, PackedLinear, NativeLinear, QuantLinear, Int4Linear, HeadLinear)
     talker, predictor = engine.model.talker, engine.model.code_predictor
     per_frame = [m for m in talker.layers.modules() if isinstance(m, kinds)] + [talker.codec_head]
     per_group = [m for m in predictor.layers.modules() if isinstance(m, kinds)]
@@ -227,16 +227,28 @@ def products_only(engine, frames: int) -> float:
         return (time.perf_counter() - start) / frames
 
 
-def weight_reads(engine) -> int:
-    """Weights one frame reads (parameters): the talker's once, the code predictor's per codebook."""
+def weight_reads(engine, size=lambda m: m.in_features * m.out_features) -> int:
+    """Weights one frame reads (parameters): the talker's once, the code predictor's per codebook;
+    with `size=stored_bytes`, the bytes they are stored in."""
     per_frame, per_group, heads = _products(engine)
-    size = lambda m: m.in_features * m.out_features  # noqa: E731
     return sum(map(size, per_frame)) + sum(map(size, heads)) + len(heads) * sum(map(size, per_group))
 
 
+def stored_bytes(m) -> int:
+    """Bytes a product's weights are stored in (int8 and int4: their scales included)."""
+    return (
+        sum(t.numel() * t.element_size() for name, t in m.named_buffers() if name != "bias")
+        + sum(p.numel() * p.element_size() for p in m.parameters())
+        or m.in_features * m.out_features
+    )  # an int8 QuantLinear's packed weight is opaque: 1 byte each
+
+
 def engine_dtype(engine) -> str:
+    from kazeia.int4 import Int4Linear
     from kazeia.quant import QuantLinear
 
+    if any(isinstance(m, Int4Linear) for m in engine.model.modules()):
+        return "int4"
     if any(isinstance(m, QuantLinear) for m in engine.model.modules()):
         return "int8"
     return str(engine.model.talker.norm.weight.dtype).removeprefix("torch.")

@@ -31,13 +31,15 @@ REQUIRED_FILES = (
     "speech_tokenizer/model.safetensors",
 )
 
-# Weight precisions of the talker and code predictor; "int8" is quantized at load (kazeia/quant.py).
-# The precisions `Engine.load` takes by name; int8 is a quantization scheme, not a torch dtype.
+# Weight precisions of the talker and code predictor; "int8" and "int4" are quantized at load
+# (kazeia/quant.py, kazeia/int4.py). The precisions `Engine.load` takes by name; int8 and int4 are
+# quantization schemes, not torch dtypes.
 DTYPES: dict[str, torch.dtype | str] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "int8": "int8",
+    "int4": "int4",
 }
 
 

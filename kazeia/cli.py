@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     qnt.add_argument("source", help="checkpoint directory or hub id")
     qnt.add_argument("target", help="new directory for the prepared checkpoint")
-    qnt.add_argument("--dtype", required=True, choices=["int8", "bfloat16", "float16", "float32"])
+    qnt.add_argument("--dtype", required=True, choices=["int8", "int4", "bfloat16", "float16", "float32"])
     qnt.add_argument("--offline", action="store_true", help="use only the local hub cache for hub ids")
 
     rnd = sub.add_parser("random-checkpoint", help="write a random-weight checkpoint (tests, demos, benchmarks)")

@@ -7,7 +7,8 @@ Each path is named by one feature; all are x86-64 features (elsewhere none appli
   vnni    int8 products on the full 8-bit activation grid. fbgemm's AVX-512 VNNI kernel sums the
           uint8 x int8 products straight into 32 bits; its AVX2 and plain AVX-512 kernels sum pairs
           into saturating 16 bits, so activations must stay within 7 bits there (kazeia/quant.py).
-          AVX-VNNI (the 256-bit form) does not count: fbgemm has no kernel for it.
+          AVX-VNNI (the 256-bit form) does not count: fbgemm has no kernel for it. Also the
+          native int4 products' 8-bit dot product (kazeia/native/int4.c).
   bf16    oneDNN's packed bfloat16 matmuls (AVX512_BF16, AMX-BF16 or AVX-NE-CONVERT)
   f16     oneDNN's packed float16 matmuls (AVX512_FP16, AMX-FP16 or AVX-NE-CONVERT)
 
@@ -171,7 +172,7 @@ def compiler_flags(features: frozenset[str]) -> tuple[str, ...]:
     has is on, else exactly the chosen instruction sets over the x86-64 baseline."""
     if not _x86():
         return () if os.environ.get(ENV, "").strip().lower() == "portable" else ("-march=native",)
-    c_features = {"avx2", "avx512", "bf16"}
+    c_features = {"avx2", "avx512", "vnni", "bf16"}
     if features & c_features == detected() & c_features:
         return ("-march=native",)
     flags = ["-march=x86-64", "-mtune=generic"]
@@ -179,6 +180,8 @@ def compiler_flags(features: frozenset[str]) -> tuple[str, ...]:
         flags += ["-mavx2", "-mfma", "-mf16c"]
     if "avx512" in features:
         flags += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd"]
+        if "vnni" in features:
+            flags.append("-mavx512vnni")  # the native int4 products' dpbusd (kazeia/native/int4.c)
         if "bf16" in features and "avx512_bf16" in (_cpu_flags() or ()):
             flags.append("-mavx512bf16")  # the native products' bfloat16 pair dot product
     return tuple(flags)

@@ -95,9 +95,10 @@ class Engine:
 
         dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16" | "int8" (CPU:
             per-channel int8 weights quantized at load, float32 activations sent to the int8 GEMM
-            as two 8-bit rows; see kazeia/quant.py). Default: the precision a checkpoint prepared
-            by `kazeia quantize` was made for (the only one it loads in; kazeia/prepared.py), else
-            float32.
+            as two 8-bit rows; see kazeia/quant.py) | "int4" (CPU with the native library: 4-bit
+            groups of 32 weights, the fewest bytes to read a frame; see kazeia/int4.py). Default:
+            the precision a checkpoint prepared by `kazeia quantize` was made for (the only one it
+            loads in; kazeia/prepared.py), else float32.
         vocoder_dtype: the speech-tokenizer decoder; float32 by default for exact audio. "bfloat16"
             is faster on CPUs with bfloat16 dot products, at ~27 dB SNR against float32
             (BENCHMARKS.md); elsewhere half precision is slower.

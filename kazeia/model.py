@@ -17,9 +17,10 @@ from . import native
 from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
+from .int4 import quantize_linears as int4_linears
 from .layers import can_pack, fuse_projections, pack_linears, replace_linears
 from .native import linear as native_linear
-from .prepared import load_int8, prepared_dtype
+from .prepared import QUANTIZED, load_quantized, prepared_dtype
 from .quant import QuantEmbedding, int8_supported, quantize_linears
 from .talker import Talker
 
@@ -46,12 +47,17 @@ class TTSModel(nn.Module):
 
     @classmethod
     def load(cls, cfg: ModelConfig, path: Path, device: torch.device | str, dtype: torch.dtype | str) -> TTSModel:
-        """Load `model.safetensors`; dtype is a float dtype or "int8" (see kazeia/quant.py)."""
-        int8 = dtype == "int8"
+        """Load `model.safetensors`; dtype is a float dtype, "int8" (see kazeia/quant.py) or "int4"
+        (kazeia/int4.py)."""
+        int8 = dtype in ("int8", "int4")  # quantized: the file's precision is kept until then
         if int8 and torch.device(device).type != "cpu":
-            raise ValueError("dtype 'int8' runs on the CPU only; use bfloat16 or float16 on a GPU")
-        if int8 and (why := int8_supported()) is not None:
-            raise ValueError(f"dtype 'int8' cannot run here: {why}; use float32 or bfloat16")
+            raise ValueError(f"dtype {dtype!r} runs on the CPU only; use bfloat16 or float16 on a GPU")
+        if dtype == "int8" and (why := int8_supported()) is not None:
+            raise ValueError(f"dtype {dtype!r} cannot run here: {why}; use float32 or bfloat16")
+        if dtype == "int4" and native.library() is None:
+            raise ValueError(
+                "dtype 'int4' needs the native library (a C compiler, and KAZEIA_NATIVE not 0); use int8 or float32"
+            )
         with torch.device("meta"):
             model = cls(cfg)
         prepared = prepared_dtype(path)
@@ -62,10 +68,10 @@ class TTSModel(nn.Module):
                     f"{path} is prepared for {prepared} (kazeia quantize): load it with dtype={prepared!r}, "
                     f"or load the released checkpoint for {name}"
                 )
-        if prepared == "int8":  # products stored quantized and fused: nothing to convert
+        if prepared in QUANTIZED:  # products stored quantized and fused: nothing to convert
             fuse_projections(model)  # on the meta device: the fused shapes
             lib = native.library() if torch.device(device).type == "cpu" else None
-            load_int8(model, path, lib)
+            load_quantized(model, path, prepared, lib)
             model.choose_steps(lib)
             return model.eval()
         # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep
@@ -93,6 +99,11 @@ class TTSModel(nn.Module):
         if dtype == "int8":
             # Products: fbgemm's int8 GEMM on two activation rows (kazeia/quant.py).
             quantize_linears(self, lib, after_each=release_freed_memory)
+            self.talker.text_embedding = QuantEmbedding.from_float_chunked(self.talker.text_embedding.weight)
+            self.float()
+        elif dtype == "int4":
+            # Products: 4-bit groups in kazeia/native/int4.c (int4_linears requires the library).
+            int4_linears(self, lib, after_each=release_freed_memory)
             self.talker.text_embedding = QuantEmbedding.from_float_chunked(self.talker.text_embedding.weight)
             self.float()
         elif cpu and native_linear.usable(lib, dtype):

@@ -11,8 +11,13 @@ nothing:
   gate/up projections are fused: for each product `NAME.qweight` (int8, the int8 GEMM's own
   rounding, see `quant.quantize_weight`) and `NAME.scales` (float32, one per output row), the text
   embedding likewise, everything else float32. Speaker-encoder tensors (Base) keep their released
-  names and precision. The values are those quantizing at load gives, so a prepared int8 checkpoint
-  speaks exactly like its source loaded with `dtype="int8"` (tested); they do not depend on the CPU.
+  names and precision.
+* int4: the same names and fusion; each product stores `NAME.qweight` (packed codes), `NAME.steps`,
+  `NAME.offsets` and `NAME.factors` (`int4.quantize_weight`), the output heads `NAME.weight` in
+  bfloat16 (`int4.HeadLinear`), the text embedding as for int8.
+
+The values are those quantizing at load gives, so a prepared checkpoint speaks exactly like its
+source loaded in the same precision (tested); they do not depend on the CPU.
 
 The file's safetensors metadata says what it is (`format`, `version`, `dtype`); loading checks it,
 and a prepared checkpoint loads only in its own precision (`Engine.load` picks it by default).
@@ -32,7 +37,14 @@ from .checkpoint import load_tensors, resolve
 from .config import CheckpointError, ModelConfig
 
 FORMAT, VERSION = "kazeia-prepared", "1"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8"}
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": "int8",
+    "int4": "int4",
+}
+QUANTIZED = ("int8", "int4")  # stored under module names, as the products multiply them
 WEIGHTS = "model.safetensors"
 
 
@@ -63,7 +75,7 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike, dtype: str, *
     from .model import SKIPPED_PREFIXES, TTSModel, rename
 
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)} (int4 is not available yet)")
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     target = Path(target)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ValueError(f"{target} exists and is not an empty directory; choose a new one")
@@ -76,8 +88,8 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike, dtype: str, *
     def kept(name: str) -> bool:  # the speaker encoder's tensors (Base), as released
         return name.startswith(SKIPPED_PREFIXES)
 
-    if dtype == "int8":  # the model loads the file itself; only the kept tensors are read here
-        tensors = {**int8_tensors(TTSModel.load(cfg, weights, "cpu", "int8")), **load_tensors(weights, wanted=kept)}
+    if dtype in QUANTIZED:  # the model loads the file itself; only the kept tensors are read here
+        tensors = {**stored_tensors(TTSModel.load(cfg, weights, "cpu", dtype)), **load_tensors(weights, wanted=kept)}
     else:
         released = load_tensors(weights, mmap=False)
         rename(released, str(weights), skip_speaker_encoder=cfg.tts_model_type == "base")  # checks every name
@@ -95,49 +107,47 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike, dtype: str, *
     return target
 
 
-def int8_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A model loaded with dtype="int8" -> the tensors of its prepared file (module names)."""
+def stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model loaded with dtype="int8" or "int4" -> the tensors of its prepared file (module names)."""
+    from .int4 import HeadLinear, Int4Linear
     from .quant import QuantLinear
 
     out: dict[str, torch.Tensor] = {}
+    products = (QuantLinear, Int4Linear, HeadLinear)
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            qweight, scales = module.stored
-            out[f"{name}.qweight"], out[f"{name}.scales"] = qweight, scales
-            if module.bias is not None:
-                out[f"{name}.bias"] = module.bias
+            out[f"{name}.qweight"], out[f"{name}.scales"] = module.stored
+        elif isinstance(module, Int4Linear):
+            out.update({f"{name}.{key}": t for key, t in module.stored.items()})
+        elif isinstance(module, HeadLinear):
+            out[f"{name}.weight"] = module.weight
+        if isinstance(module, products) and module.bias is not None:
+            out[f"{name}.bias"] = module.bias
     for name, tensor in model.state_dict().items():  # QuantEmbedding tables included, as they are
-        if not isinstance(model.get_submodule(name.rpartition(".")[0]), QuantLinear):
+        if not isinstance(model.get_submodule(name.rpartition(".")[0]), products):
             out[name] = tensor
     return out
 
 
-def load_int8(model: nn.Module, path: Path, lib) -> None:
-    """Fill `model` (built on the meta device, projections fused) from a prepared int8 file: the
-    products become QuantLinears of the stored values, the text embedding a QuantEmbedding, the
-    rest is assigned strictly (a missing, unexpected or mis-shaped tensor names itself)."""
+def load_quantized(model: nn.Module, path: Path, dtype: str, lib) -> None:
+    """Fill `model` (built on the meta device, projections fused) from a prepared int8 or int4
+    file: the products become the modules of the stored values (QuantLinear; Int4Linear or, for the
+    output heads, HeadLinear), the text embedding a QuantEmbedding, the rest is assigned strictly
+    (a missing, unexpected or mis-shaped tensor names itself)."""
     from .checkpoint import assign
     from .model import SKIPPED_PREFIXES
-    from .quant import QuantEmbedding, QuantLinear
+    from .quant import QuantEmbedding
 
     tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(SKIPPED_PREFIXES))
-    jobs = []  # (parent, attribute, the QuantLinear's arguments)
+    jobs = []  # (parent, attribute, a function making the product)
     for parent_name, parent in list(model.named_modules()):
         for child, linear in list(parent.named_children()):
-            if not isinstance(linear, nn.Linear):
-                continue
-            name = f"{parent_name}.{child}" if parent_name else child
-            qweight, scales = _take(tensors, f"{name}.qweight", path), _take(tensors, f"{name}.scales", path)
-            bias = tensors.pop(f"{name}.bias", None)
-            shape = (linear.out_features, linear.in_features)
-            if tuple(qweight.shape) != shape or tuple(scales.shape) != shape[:1] or qweight.dtype != torch.int8:
-                raise CheckpointError(
-                    f"{path}: {name} is stored as {tuple(qweight.shape)} {qweight.dtype}, expected {shape} int8"
-                )
-            jobs.append((parent, child, (qweight, scales.float(), bias, lib)))
+            if isinstance(linear, nn.Linear):
+                name = f"{parent_name}.{child}" if parent_name else child
+                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib)))
     # Packing the weights for the int8 GEMM is most of the time left; torch releases the GIL there.
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        made = list(pool.map(lambda job: QuantLinear.from_int8(*job[2]), jobs))
+        made = list(pool.map(lambda job: job[2](), jobs))
     for (parent, child, _), linear in zip(jobs, made, strict=True):
         setattr(parent, child, linear)
     table = model.talker.text_embedding
@@ -150,6 +160,43 @@ def load_int8(model: nn.Module, path: Path, lib) -> None:
     model.talker.text_embedding = QuantEmbedding(qweight, scales.float())
     built = {name: t for name, t in model.state_dict().items() if not t.is_meta}
     assign(model, {**tensors, **built}, str(path))
+
+
+def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib):
+    """The stored tensors of product `name` taken out of `tensors`, checked against the shape of
+    `linear`; returns a function that builds its module."""
+    from . import int4
+    from .quant import QuantLinear
+
+    shape = (linear.out_features, linear.in_features)
+    bias = tensors.pop(f"{name}.bias", None)
+
+    def wrong(found: str, expected: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {name} is stored as {found}, expected {expected}")
+
+    if dtype == "int8":
+        qweight, scales = _take(tensors, f"{name}.qweight", path), _take(tensors, f"{name}.scales", path)
+        if tuple(qweight.shape) != shape or tuple(scales.shape) != shape[:1] or qweight.dtype != torch.int8:
+            raise wrong(f"{tuple(qweight.shape)} {qweight.dtype}", f"{shape} int8")
+        return lambda: QuantLinear.from_int8(qweight, scales.float(), bias, lib)
+    if int4.is_head(name) or not int4.supported(linear.in_features):  # kept wide (int4.quantize_linears)
+        weight = _take(tensors, f"{name}.weight", path)
+        wide = torch.bfloat16 if int4.is_head(name) else torch.float32
+        if tuple(weight.shape) != shape or weight.dtype != wide:
+            raise wrong(f"{tuple(weight.shape)} {weight.dtype}", f"{shape} {wide}")
+        if int4.is_head(name):
+            return lambda: int4.HeadLinear(weight, bias, lib)
+        plain = nn.Linear(shape[1], shape[0], bias=bias is not None, device="meta")
+        plain.weight, plain.bias = nn.Parameter(weight), None if bias is None else nn.Parameter(bias)
+        return lambda: plain
+    stored = {key: _take(tensors, f"{name}.{key}", path) for key in ("qweight", "steps", "offsets", "factors")}
+    if tuple(stored["qweight"].shape) != (shape[0], shape[1] // 2):
+        raise wrong(f"{tuple(stored['qweight'].shape)} codes", f"{(shape[0], shape[1] // 2)} codes")
+    try:
+        made = int4.Int4Linear(stored, bias, lib)  # checks every tensor's shape and dtype
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {name}: {e}") from None
+    return lambda: made
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tensor:

@@ -69,6 +69,8 @@ def test_compiler_flags_follow_the_features():
         if "avx512" in have:
             assert "-mavx512f" not in cpu.compiler_flags(frozenset({"avx2"}))
             assert "-mavx2" in cpu.compiler_flags(frozenset({"avx2"}))
+        if "vnni" in have:  # the int4 products' dot product follows the feature
+            assert "-mavx512vnni" not in cpu.compiler_flags(have - {"vnni"})
 
 
 def test_each_path_follows_kazeia_isa(monkeypatch):
@@ -104,6 +106,7 @@ ISA_SENSITIVE = [
     "test_engine.py",
     "test_streaming.py",
     "test_prepared.py",
+    "test_int4.py",
 ]
 NESTED = "KAZEIA_TEST_ISA_LEVEL"  # set in the runs below, so they do not start runs of their own
 

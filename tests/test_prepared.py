@@ -11,7 +11,7 @@ import torch
 from clone_support import espeak
 from safetensors.torch import load_file, save_file
 
-from kazeia import Engine
+from kazeia import Engine, native
 from kazeia.cli import main
 from kazeia.config import CheckpointError
 from kazeia.prepared import FORMAT, prepared_dtype, quantize
@@ -19,6 +19,7 @@ from kazeia.quant import int8_supported
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=16, seed=3)
 NEEDS_INT8 = pytest.mark.skipif(int8_supported() is not None, reason=str(int8_supported()))
+NEEDS_NATIVE = pytest.mark.skipif(native.library() is None, reason="int4 needs the native library")
 
 
 def _metadata(path) -> dict:
@@ -27,7 +28,10 @@ def _metadata(path) -> dict:
         return json.loads(f.read(size)).get("__metadata__", {})
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("int8", marks=NEEDS_INT8), "bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param("int8", marks=NEEDS_INT8), pytest.param("int4", marks=NEEDS_NATIVE), "bfloat16", "float16",
+              "float32"],
+)  # fmt: skip
 def test_a_prepared_checkpoint_speaks_exactly_like_its_source(tiny_checkpoints, tmp_path, dtype):
     source = tiny_checkpoints["0.6B-custom"]
     target = quantize(source, tmp_path / "prepared", dtype)
@@ -42,6 +46,10 @@ def test_a_prepared_checkpoint_speaks_exactly_like_its_source(tiny_checkpoints, 
     if dtype == "int8":  # products stored fused and quantized, as the int8 GEMM multiplies them
         assert stored["talker.layers.0.self_attn.qkv_proj.qweight"].dtype == torch.int8
         assert stored["talker.text_embedding.qweight"].dtype == torch.int8
+    elif dtype == "int4":  # packed codes, the group steps and offsets; the heads in bfloat16
+        assert stored["talker.layers.0.self_attn.qkv_proj.qweight"].dtype == torch.uint8
+        assert stored["talker.layers.0.self_attn.qkv_proj.offsets"].dtype == torch.int8
+        assert stored["code_predictor.lm_head.3.weight"].dtype == torch.bfloat16
     else:
         assert {t.dtype for t in stored.values() if t.is_floating_point()} == {getattr(torch, dtype)}
     prepared = Engine.load(target)  # its own precision by default
@@ -73,8 +81,8 @@ def test_a_prepared_checkpoint_loads_only_in_its_precision(tiny_checkpoints, tmp
         quantize(target, tmp_path / "again", "int8")
     with pytest.raises(ValueError, match="not an empty directory"):
         quantize(tiny_checkpoints["0.6B-custom"], target, "bfloat16")
-    with pytest.raises(ValueError, match="int4 is not available"):
-        quantize(tiny_checkpoints["0.6B-custom"], tmp_path / "int4", "int4")
+    with pytest.raises(ValueError, match="unknown dtype 'int2'"):
+        quantize(tiny_checkpoints["0.6B-custom"], tmp_path / "int2", "int2")
 
 
 @NEEDS_INT8
@@ -94,6 +102,24 @@ def test_a_broken_prepared_file_names_what_is_wrong(tiny_checkpoints, tmp_path):
         Engine.load(target)
     save_file(tensors, path, metadata={**meta, "version": "0"})
     with pytest.raises(CheckpointError, match="another version of Kazeia"):
+        Engine.load(target)
+
+
+@NEEDS_NATIVE
+def test_a_broken_prepared_int4_file_names_what_is_wrong(tiny_checkpoints, tmp_path):
+    target = quantize(tiny_checkpoints["1.7B-custom"], tmp_path / "int4", "int4")
+    path = target / "model.safetensors"
+    tensors, meta = load_file(path), _metadata(path)
+    name = "talker.layers.0.mlp.down_proj"
+    save_file({k: v for k, v in tensors.items() if k != f"{name}.steps"}, path, metadata=meta)
+    with pytest.raises(CheckpointError, match=f"missing tensor {name}.steps"):
+        Engine.load(target)
+    save_file({**tensors, f"{name}.steps": tensors[f"{name}.steps"].to(torch.int8)}, path, metadata=meta)
+    with pytest.raises(CheckpointError, match=f"{name}: int4 steps is .* torch.int8, expected .* torch.uint8"):
+        Engine.load(target)
+    head = "code_predictor.lm_head.0.weight"
+    save_file({**tensors, head: tensors[head].float()}, path, metadata=meta)
+    with pytest.raises(CheckpointError, match="code_predictor.lm_head.0 is stored as .* torch.float32, expected"):
         Engine.load(target)
 
 

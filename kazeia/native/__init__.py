@@ -30,7 +30,7 @@ import torch
 
 from .. import cpu
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c", "int4.c"))
 HEADERS = (Path(__file__).with_name("dtypes.h"),)  # included by the sources: part of the build key
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
 # target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
@@ -200,6 +200,11 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
     "gemv_bf16_dot": ([], _INT),
+    "gemv_wide": ([_P, _INT, *[_P] * 3, _LONG, _LONG, _INT], _INT),
+    "int4_gemv": ([*[_P] * 7, _LONG, _LONG, _LONG], _INT),
+    "int4_block": ([_LONG], _LONG),
+    "int4_quantize_row": ([_P, _LONG, _P, _P, _P], None),
+    "int4_kernel": ([], _INT),
 }
 
 

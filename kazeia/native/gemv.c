@@ -188,3 +188,17 @@ int gemv(const void *w, const void *x, const void *bias, void *y, long rows, lon
     }
     return 0;
 }
+
+/* y (m x rows, float32) = x (m x cols, float32) @ w.T (w: rows x cols of wdt) [+ bias (rows,
+   float32)]: weights kept narrow, activations and results not rounded (kazeia/int4.py's output
+   heads). Same summation as `gemv` (row_dot). Returns 0, or -1 for an m it does not take. */
+int gemv_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, int m) {
+    if (m < 1 || m > 2) return -1;
+    const long width = wdt == F32 ? 4 : 2;
+    for (long r = 0; r < rows; r++) {
+        float sums[2];
+        row_dot((const char *)w + r * cols * width, wdt, x, m, cols, sums);
+        for (int i = 0; i < m; i++) y[(long)i * rows + r] = sums[i] + (bias ? bias[r] : 0.0f);
+    }
+    return 0;
+}

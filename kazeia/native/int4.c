@@ -1,0 +1,286 @@
+/* Products with 4-bit weights (kazeia/int4.py): y[i][r] = sum over c of x[i][c] * w[r][c] (+ b[r])
+   for float32 activation rows x (m of them, any m >= 1).
+
+   Weights. Each row of `cols` weights (a multiple of 64) is cut into groups of 32. A weight is
+       d * s * q  -  e * n
+   with its code q in 0..15, its group's step s (uint8) and offset n (int8), and its row's float32
+   factors d and e. A group's codes are 16 bytes: byte k holds code k in its low nibble and code
+   16 + k in its high one. The kernels take two groups (a unit of 64 columns, 32 bytes) at a time:
+   one mask and one shift give both groups' first and second halves, one group per 128-bit lane,
+   and the activation codes are laid out to match (act_pos).
+
+   Activations. Each row is rounded to int8 per block of 256 columns (64 when cols is not a
+   multiple of 256): step t = max |x| / 127, codes p = round(x / t) (to nearest even; the same in
+   every build). The float32 sum of x over each group is kept too. A row's result is
+       d * sum over blocks of t * (sum over the block's groups of s * (q . p))
+     - e * sum over groups of n * (sum of x over the group)  [+ b]
+   The first sum is exact in int32 within a block (|q . p| <= 32 * 15 * 127, times s <= 255, over
+   at most 8 groups), so a block costs one conversion to float; the offsets meet the exact
+   activations, so only the q . x part sees the 8-bit rounding.
+
+   Summation, for a given build: blocks in column order into vector lanes, the lanes in a fixed
+   tree, then the offsets (vector lanes over the groups, then a tree) and the bias. A row's result depends only
+   on that row and the weights: never on m or the other rows (what batching relies on). The
+   instructions: AVX-512 BW with VNNI (vpdpwssd), AVX-512 BW, AVX2 (vpmaddubsw, vpmaddwd), or plain
+   C, chosen by the build's target flags (kazeia/cpu.py); all compute the same integers (no pair
+   sum saturates). One thread: a decoding step's product, on the generation thread (engine.py). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { GROUP = 32, UNIT = 64 };
+/* Bytes ahead of the codes being read that are asked for early (the next rows: rows follow each
+   other in memory). Measured: a frame's products read ~35 % faster with it. */
+#define PREFETCH 8192
+
+/* Which kernel this build runs, for tests and logs: 3 AVX-512 VNNI, 2 AVX-512 BW, 1 AVX2, 0 C. */
+int int4_kernel(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return 3;
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Columns per activation step for a row of `cols`. */
+long int4_block(long cols) { return cols % 256 == 0 ? 256 : UNIT; }
+
+/* Where the kernel wants the activation code of column c (the codes are laid out to match the
+   weight bytes, see row_dots): within each unit of 64 columns, the first half-groups (columns
+   0-15 and 32-47), then the second ones (16-31, 48-63); AVX-512 takes two units at a time in
+   blocks of 256: both units' first half-groups, then both second ones. */
+static inline long act_pos(long c, long block) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (block % 128 == 0) {
+        long pair = c & ~127L, u = (c >> 6) & 1, j = c & 63;
+        return pair + ((j >> 4) & 1) * 64 + u * 32 + (j >> 5) * 16 + (j & 15);
+    }
+#elif !(defined(__AVX2__) && defined(__FMA__))
+    (void)block;
+    return c; /* the plain C loop reads columns in order */
+#endif
+    (void)block;
+    long unit = c & ~63L, j = c & 63;
+    return unit + ((j >> 4) & 1) * 32 + (j >> 5) * 16 + (j & 15);
+}
+
+/* Round one activation row to int8 per block: codes p (in the kernel's order, act_pos), steps t
+   (per block), exact sums (per group). */
+void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, float *sums) {
+    long block = int4_block(cols);
+    for (long g = 0; g < cols / GROUP; g++) {
+        float s = 0.0f;
+        for (int j = 0; j < GROUP; j++) s += x[g * GROUP + j];
+        sums[g] = s;
+    }
+    for (long b = 0; b < cols / block; b++) {
+        const float *v = x + b * block;
+        float amax = 0.0f;
+        for (long j = 0; j < block; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+        if (!(amax > 0.0f) || !isfinite(amax)) { /* zero, or not finite: the sums poison y */
+            t[b] = 0.0f;
+            memset(p + b * block, 0, (size_t)block);
+            continue;
+        }
+        float inverse = 127.0f / amax;
+        t[b] = amax / 127.0f;
+        for (long j = 0; j < block; j++) p[act_pos(b * block + j, block)] = (int8_t)lrintf(v[j] * inverse);
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The integer sum of unit u (groups 2u, 2u+1) against activation codes x (act_pos order), times
+   the groups' steps (gs, uint8), as 8 int32 lanes. Each group is 16 bytes
+   (byte k: code k low, code 16 + k high), so the low nibbles of a unit are its two groups' first
+   halves and the high nibbles their second halves, one group per 128-bit lane. */
+static inline __m256i unit256(const uint8_t *w, const int8_t *x, const uint8_t *gs, long u) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(w + u * 32));
+    if (u & 1) _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0); /* once a line */
+    __m256i first = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), _mm256_loadu_si256((const __m256i *)(x + u * UNIT)));
+    __m256i second = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+                                          _mm256_loadu_si256((const __m256i *)(x + u * UNIT + 32)));
+    uint16_t two;
+    memcpy(&two, gs + 2 * u, sizeof two);
+    /* each step widened to int16 across its group's lane (-1: a zero byte) */
+    __m256i steps = _mm256_shuffle_epi8(_mm256_set1_epi16((short)two),
+                                        _mm256_set_epi8(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
+                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
+    return _mm256_madd_epi16(_mm256_add_epi16(first, second), steps); /* pair sums <= 2 * 3810 */
+}
+static inline float sum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Units u and u + 1 at once (a block of 256 has 4 units), as unit256: one group per 128-bit lane. */
+static inline __m512i units512(const uint8_t *w, const int8_t *x, const uint8_t *gs, long u) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512i raw = _mm512_loadu_si512((const void *)(w + u * 32));
+    _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
+    __m512i first = _mm512_maddubs_epi16(_mm512_and_si512(raw, low), _mm512_loadu_si512((const void *)(x + u * UNIT)));
+    __m512i second = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                          _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT)));
+    int32_t four;
+    memcpy(&four, gs + 2 * u, sizeof four);
+    /* 128-bit lane l: step l widened to int16 (-1: a zero byte) */
+    __m512i steps = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_cvtsi32_si128(four)),
+                                        _mm512_set_epi8(-1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3,
+                                                        -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2,
+                                                        -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
+                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_add_epi16(first, second), steps);
+#else
+    return _mm512_madd_epi16(_mm512_add_epi16(first, second), steps);
+#endif
+}
+#endif
+
+/* One weight row (codes w, group steps gs) against one or two activation rows (codes p0, p1 and block
+   steps t0, t1): the sum over blocks of t * (the block's integer sum), per activation row. */
+static void row_dots(const uint8_t *w, const uint8_t *gs, const int8_t *p0, const int8_t *p1, const float *t0,
+                     const float *t1, long cols, long block, float out[2]) {
+    const long per_block = block / UNIT, blocks = cols / block;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (per_block % 2 == 0) {
+        __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
+        for (long b = 0, u = 0; b < blocks; b++) {
+            __m512i i0 = _mm512_setzero_si512(), j0 = _mm512_setzero_si512();
+            __m512i i1 = _mm512_setzero_si512(), j1 = _mm512_setzero_si512();
+            long k = 0;
+            for (; k + 4 <= per_block; k += 4, u += 4) { /* two chains of exact integer sums */
+                i0 = _mm512_add_epi32(i0, units512(w, p0, gs, u));
+                j0 = _mm512_add_epi32(j0, units512(w, p0, gs, u + 2));
+                if (p1) {
+                    i1 = _mm512_add_epi32(i1, units512(w, p1, gs, u));
+                    j1 = _mm512_add_epi32(j1, units512(w, p1, gs, u + 2));
+                }
+            }
+            for (; k < per_block; k += 2, u += 2) {
+                i0 = _mm512_add_epi32(i0, units512(w, p0, gs, u));
+                if (p1) i1 = _mm512_add_epi32(i1, units512(w, p1, gs, u));
+            }
+            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, j0)), _mm512_set1_ps(t0[b]), f0);
+            if (p1) f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i1, j1)), _mm512_set1_ps(t1[b]), f1);
+        }
+        out[0] = _mm512_reduce_add_ps(f0);
+        out[1] = p1 ? _mm512_reduce_add_ps(f1) : 0.0f;
+        return;
+    }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
+    for (long b = 0, u = 0; b < blocks; b++) {
+        __m256i i0 = _mm256_setzero_si256(), j0 = _mm256_setzero_si256();
+        __m256i i1 = _mm256_setzero_si256(), j1 = _mm256_setzero_si256();
+        long k = 0;
+        for (; k + 2 <= per_block; k += 2, u += 2) { /* two chains of exact integer sums */
+            i0 = _mm256_add_epi32(i0, unit256(w, p0, gs, u));
+            j0 = _mm256_add_epi32(j0, unit256(w, p0, gs, u + 1));
+            if (p1) {
+                i1 = _mm256_add_epi32(i1, unit256(w, p1, gs, u));
+                j1 = _mm256_add_epi32(j1, unit256(w, p1, gs, u + 1));
+            }
+        }
+        if (k < per_block) {
+            i0 = _mm256_add_epi32(i0, unit256(w, p0, gs, u));
+            if (p1) i1 = _mm256_add_epi32(i1, unit256(w, p1, gs, u));
+            u++;
+        }
+        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, j0)), _mm256_set1_ps(t0[b]), f0);
+        if (p1) f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i1, j1)), _mm256_set1_ps(t1[b]), f1);
+    }
+    out[0] = sum256(f0);
+    out[1] = p1 ? sum256(f1) : 0.0f;
+#else
+    for (int i = 0; i < 2; i++) {
+        const int8_t *p = i ? p1 : p0;
+        const float *t = i ? t1 : t0;
+        float sum = 0.0f;
+        for (long b = 0, g = 0; p && b < blocks; b++) {
+            int32_t acc = 0;
+            for (long k = 0; k < block / GROUP; k++, g++) {
+                int32_t dot = 0;
+                for (int j = 0; j < 16; j++) {
+                    uint8_t byte = w[g * 16 + j];
+                    dot += (int32_t)(byte & 0x0f) * p[g * GROUP + j] + (int32_t)(byte >> 4) * p[g * GROUP + 16 + j];
+                }
+                acc += dot * gs[g];
+            }
+            sum += (float)acc * t[b];
+        }
+        out[i] = sum;
+    }
+#endif
+}
+
+/* The offsets' term of one row: sum over groups of n[g] * sums[g], in vector lanes over the
+   groups in order (16 or 8 lanes; one lane in plain C), then a fixed tree. */
+static float offsets_dot(const int8_t *n, const float *sums, long groups) {
+    long g = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; g + 16 <= groups; g += 16)
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(n + g)))),
+                              _mm512_loadu_ps(sums + g), acc);
+    total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8)
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(n + g)))),
+                              _mm256_loadu_ps(sums + g), acc);
+    total = sum256(acc);
+#endif
+    for (; g < groups; g++) total += (float)n[g] * sums[g];
+    return total;
+}
+
+/* y (m x rows) = x (m x cols) @ W.T [+ bias]; W as described above: codes qw (rows x cols/2
+   bytes), steps gs (rows x cols/32, uint8), offsets gn (rows x cols/32, int8), row factors rf
+   (rows x 2 float32: d, e). Returns 0, -1 for a shape it does not take, -2 out of memory. */
+int int4_gemv(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
+              const float *bias, float *y, long rows, long cols, long m) {
+    if (m < 1 || rows < 1 || cols < UNIT || cols % UNIT) return -1;
+    long groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
+    /* per activation row: codes, block steps, group sums; per weight row: steps, offsets */
+    int8_t *p = malloc((size_t)(m * cols));
+    float *t = malloc(sizeof(float) * (size_t)(m * (blocks + groups)));
+    if (!p || !t) {
+        free(p);
+        free(t);
+        return -2;
+    }
+    float *sums = t + m * blocks;
+    for (long i = 0; i < m; i++) int4_quantize_row(x + i * cols, cols, p + i * cols, t + i * blocks, sums + i * groups);
+    for (long r = 0; r < rows; r++) {
+        const uint8_t *steps = gs + r * groups;
+        const int8_t *offsets = gn + r * groups;
+        float d = rf[2 * r], e = rf[2 * r + 1], b = bias ? bias[r] : 0.0f;
+        for (long i = 0; i < m; i += 2) {
+            int two = m - i >= 2;
+            float dots[2];
+            row_dots(qw + r * (cols / 2), steps, p + i * cols, two ? p + (i + 1) * cols : NULL, t + i * blocks,
+                     two ? t + (i + 1) * blocks : NULL, cols, block, dots);
+            for (long k = 0; k <= two; k++)
+                y[(i + k) * rows + r] = d * dots[k] - e * offsets_dot(offsets, sums + (i + k) * groups, groups) + b;
+        }
+    }
+    free(p);
+    free(t);
+    return 0;
+}

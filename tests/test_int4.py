@@ -1,0 +1,173 @@
+"""int4 weights (kazeia/int4.py, kazeia/native/int4.c): the stored values, the native product
+against a float64 reference of the same arithmetic, row independence, the engine, and the quality
+guard against GGML's Q4_K_M on the same weights (kazeia/testing/ggml.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from kazeia import Engine, cpu, int4, native
+from kazeia.int4 import HeadLinear, Int4Linear
+from kazeia.quant import QuantEmbedding
+from kazeia.testing import ggml
+from kazeia.testing.quality import compare
+
+LIB = native.library()
+pytestmark = pytest.mark.skipif(LIB is None, reason="int4 products need the native library")
+GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=12, seed=5)
+
+
+def test_the_kernel_is_the_one_the_features_allow():
+    have = cpu.enabled()
+    expected = 3 if {"avx512", "vnni"} <= have else 2 if "avx512" in have else 1 if "avx2" in have else 0
+    assert LIB.int4_kernel() == expected
+
+
+def test_codes_pack_and_unpack():
+    codes = torch.randint(0, 16, (3, 128), dtype=torch.uint8)
+    packed = int4.pack(codes)
+    assert packed.shape == (3, 64)
+    assert int(packed[1, 5]) == int(codes[1, 5]) | int(codes[1, 21]) << 4  # group 0: codes k and 16 + k
+    assert int(packed[2, 16 + 3]) == int(codes[2, 32 + 3]) | int(codes[2, 48 + 3]) << 4  # group 1
+    assert torch.equal(int4.unpack(packed), codes)
+
+
+def test_stored_values_are_within_half_a_step_of_the_weights():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen) * 0.05
+    w[3, :32] = 0.25  # a flat group
+    w[7, 64:96] = torch.linspace(0.1, 0.4, 32)  # a group that is all positive
+    stored = int4.quantize_weight(w)
+    d, e = stored["factors"].unbind(1)
+    step = (d[:, None] * stored["steps"].float()).repeat_interleave(32, dim=1)
+    low = (-e[:, None] * stored["offsets"].float()).repeat_interleave(32, dim=1)  # the value of code 0
+    back = int4.dequantize(stored)
+    inside = (w >= low) & (w <= low + 15 * step)
+    # inside its group's range a weight is its nearest code; beyond it (the fitted range may leave
+    # out a few extremes) the nearest end
+    assert bool(((back - w).abs() <= step / 2 + 1e-6)[inside].all())
+    codes = int4.unpack(stored["qweight"])
+    assert bool((codes[w < low] == 0).all()) and bool((codes[w > low + 15 * step] == 15).all())
+    assert float((back - w)[3, :32].abs().max()) < 1e-3
+    rel = float((int4.dequantize(stored) - w).norm() / w.norm())
+    assert 0.05 < rel < 0.08, rel  # 4 bits on Gaussian weights: ~7% (GGML's Q4_K: ~7.2%)
+
+
+@pytest.mark.parametrize("shape", [(8, 64), (33, 256), (130, 1024), (5, 192)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_the_product_is_the_reference_arithmetic(shape, m):
+    gen = torch.Generator().manual_seed(m)
+    rows, cols = shape
+    w = torch.randn(rows, cols, generator=gen) * 0.03
+    bias = torch.randn(rows, generator=gen)
+    linear = Int4Linear.from_float(w, bias, LIB)
+    x = torch.randn(m, cols, generator=gen) * 3
+    x[0, :7] = 0.0
+    y = linear(x)
+    ref = int4.reference_product(x, int4.quantize_weight(w), bias)
+    scale = float(ref.abs().max())
+    assert float((y.double() - ref).abs().max()) < 2e-6 * scale
+    # against the float product: the 4-bit weights' error, not a wrong layout
+    exact = x @ w.T + bias
+    assert float((y - exact).norm() / exact.norm()) < 0.1
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    gen = torch.Generator().manual_seed(1)
+    linear = Int4Linear.from_float(torch.randn(200, 512, generator=gen), None, LIB)
+    x = torch.randn(7, 512, generator=gen)
+    together = linear(x)
+    for i in range(7):
+        assert torch.equal(linear(x[i : i + 1])[0], together[i])
+    assert torch.equal(linear(x[2:4]), together[2:4])
+
+
+def test_special_activations():
+    linear = Int4Linear.from_float(torch.randn(16, 128), None, LIB)
+    assert torch.equal(linear(torch.zeros(1, 128)), torch.zeros(1, 16))
+    poisoned = torch.zeros(1, 128)
+    poisoned[0, 5] = float("nan")
+    assert bool(linear(poisoned).isnan().all())
+
+
+def test_bad_stored_tensors_are_refused():
+    stored = int4.quantize_weight(torch.randn(8, 128))
+    with pytest.raises(ValueError, match="steps"):
+        Int4Linear({**stored, "steps": stored["steps"][:, :2]}, None, LIB)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        int4.quantize_weight(torch.randn(8, 96))
+
+
+def test_the_engine_runs_int4_products(tiny_checkpoints):
+    engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
+    model = engine.model
+    assert isinstance(model.talker.codec_head, HeadLinear)
+    assert all(isinstance(h, HeadLinear) for h in model.code_predictor.lm_head)
+    assert isinstance(model.talker.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(model.talker.text_embedding, QuantEmbedding)
+    assert model.talker.native_step is not None  # the C glue between the products
+    a = engine.synthesize("Four bits.", voice="serena", **GREEDY)
+    stream = engine.stream("Four bits.", voice="serena", **GREEDY)
+    audio = np.concatenate([c.audio for c in stream])
+    np.testing.assert_array_equal(stream.codes, a.codes)  # streamed == offline: the same codes,
+    assert audio.shape == a.audio.shape and np.max(np.abs(audio - a.audio)) <= 1e-5  # the exact decode
+    b = engine.synthesize("Four bits.", voice="serena", **GREEDY)
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_array_equal(a.audio, b.audio)
+
+
+def test_int4_on_a_gpu_is_refused(tiny_checkpoints):
+    with pytest.raises(ValueError, match="'int4' runs on the CPU only"):
+        Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4", device="meta")
+
+
+def test_int4_without_the_native_library_is_refused(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("KAZEIA_NATIVE", "0")
+    native.reset()
+    try:
+        with pytest.raises(ValueError, match="int4.*native library"):
+            Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
+    finally:
+        monkeypatch.delenv("KAZEIA_NATIVE")
+        native.reset()
+
+
+# -- GGML's Q4_K_M, the yardstick -------------------------------------------------------------------
+def test_the_q4_k_quantizer_writes_blocks_gguf_reads_back_exactly():
+    """Weights that Q4_K can hold exactly (every sub-block on the grid of one step and offset that
+    the 6-bit scales reach) come back unchanged through gguf's own dequantizer: the block layout is
+    GGML's, not merely a similar rounding."""
+    gen = torch.Generator().manual_seed(0)
+    step, offset = 63 * 2.0**-10, 63 * 2.0**-9
+    codes = torch.randint(0, 16, (4, 256), generator=gen).float()
+    codes[:, ::32] = 0  # every sub-block spans the full code range, so its step is found exactly
+    codes[:, 1::32] = 15
+    w = codes * step - offset
+    assert torch.equal(ggml.round_trip(w, "Q4_K"), w)
+    sixes = torch.randint(-32, 32, (2, 256), generator=gen).float()
+    sixes[:, ::16] = -32  # every sub-block reaches the grid's end, as Q6_K's search expects
+    q6 = sixes * (2.0**-12)
+    assert torch.equal(ggml.round_trip(q6, "Q6_K"), q6)
+
+
+def test_q4_k_and_q6_k_errors_are_those_of_4_and_6_bits():
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(1))
+    q4 = float((ggml.round_trip(w, "Q4_K") - w).norm() / w.norm())
+    q6 = float((ggml.round_trip(w, "Q6_K") - w).norm() / w.norm())
+    assert 0.06 < q4 < 0.085 and 0.012 < q6 < 0.022, (q4, q6)
+
+
+@pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
+def test_int4_is_no_worse_than_q4_k_m(tiny_checkpoints, engines, name):
+    """The quality guard: teacher-forced talker and code-predictor logits against float32, int4
+    against the same float32 model with GGML's Q4_K_M weights (measured here: int4 talker 2.4-3.6%,
+    predictor 12%; Q4_K_M 4.1-5.4% and 14-17%; the real-size report is in BENCHMARKS.md)."""
+    text = "The quality guard compares every precision with float32."
+    baseline = engines[name]
+    q4_k_m = Engine.load(tiny_checkpoints[name])
+    ggml.apply_q4_k_m(q4_k_m.model)
+    ours = compare(Engine.load(tiny_checkpoints[name], dtype="int4"), baseline, text, frames=30, voice="serena")
+    theirs = compare(q4_k_m, baseline, text, frames=30, voice="serena")
+    assert ours.talker_rel_error <= theirs.talker_rel_error and ours.predictor_rel_error <= theirs.predictor_rel_error
+    assert ours.talker_top1 >= theirs.talker_top1 and ours.predictor_top1 >= theirs.predictor_top1
+    assert ours.talker_rel_error < 0.06 and ours.predictor_rel_error < 0.2  # and bounded outright
