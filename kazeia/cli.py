@@ -1,4 +1,4 @@
-"""The `kazeia` command: say, voices, serve, quantize, random-checkpoint.
+"""The `kazeia` command: say, voices, serve, wyoming, quantize, random-checkpoint.
 
 Thin: parse arguments, call the engine, write files, print figures. Bad input exits with status 2
 and one line on stderr.
@@ -15,7 +15,7 @@ import sys
 import time
 
 from .sampling import SamplingOptions
-from .server.config import Limits, ServerConfig
+from .server.config import Limits, ServerConfig, WyomingSettings
 from .streaming import ChunkSchedule
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
@@ -46,11 +46,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    """One flag per `SamplingOptions` field (--top-k for top_k), with its description; unset flags
-    leave the checkpoint's default."""
+def _sampling_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per `SamplingOptions` field (--top-k for top_k) but `skip`, with its description;
+    unset flags leave the checkpoint's default."""
     g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
     for name, (kind, help) in SamplingOptions.describe().items():
+        if name in skip:
+            continue
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
@@ -129,6 +131,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
     _server_args(srv, websocket=True)
+
+    wyo = sub.add_parser(
+        "wyoming", help="serve the Wyoming protocol for Home Assistant, speaking streamed text as it arrives"
+    )
+    _model_args(wyo)
+    wyo.add_argument(
+        "--uri",
+        default="tcp://127.0.0.1:10200",
+        help="where to listen: tcp://HOST:PORT or unix://PATH (default: %(default)s; tcp://0.0.0.0:10200 for the LAN)",
+    )
+    wyo.add_argument("--voice", help="voice when a request names none (default: the first one listed)")
+    wyo.add_argument("--language", help="language (name or code) when a request names none (default: auto)")
+    wyo.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
+    wyo.add_argument("--seed", type=int, help="every utterance's seed: the same text, the same audio (default: random)")
+    wyo.add_argument(
+        "--zeroconf",
+        nargs="?",
+        const="",
+        metavar="NAME",
+        help="announce the service on the LAN for Home Assistant's discovery, under NAME (default: the machine's); "
+        "needs the zeroconf package",
+    )
+    wyo.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=_defaults(WyomingSettings)["idle_s"],
+        help="seconds a connection with nothing generating stays open (default: %(default)s)",
+    )
+    _server_args(wyo, websocket=False)
+    _sampling_args(wyo, skip=("max_new_tokens",))  # --max-new-tokens is the server's bound and default
 
     qnt = sub.add_parser(
         "quantize", help="write a checkpoint prepared for one precision, which loads without converting anything"
@@ -352,6 +384,27 @@ def _server_config(args, name: str | None, **only) -> ServerConfig:
     )
 
 
+def _wyoming(args) -> int:
+    try:
+        from .server.wyoming import WyomingService, check_uri
+    except ImportError as e:
+        return _missing_extra("wyoming", "wyoming", e)
+    import asyncio
+    import importlib.util
+    import logging
+
+    if args.zeroconf is not None and importlib.util.find_spec("zeroconf") is None:
+        raise ValueError("--zeroconf needs the zeroconf package (LGPL-2.1, not a kazeia extra): pip install zeroconf")
+    check_uri(args.uri)
+    config = _server_config(args, None)
+    sampling = {name: value for name, value in _sampling(args).items() if value is not None}
+    settings = WyomingSettings(args.voice, args.language, args.instruct, args.seed, sampling, args.idle_timeout)
+    logging.basicConfig(format="%(levelname)s: %(name)s: %(message)s", level=args.log_level.upper())
+    service = WyomingService(_load(args), config, settings)
+    asyncio.run(service.run(args.uri, args.zeroconf))
+    return 0
+
+
 def _create_voice(args) -> int:
     if not args.audio or not args.output:
         raise ValueError("kazeia voices create needs --audio REF_AUDIO and -o VOICE_FILE")
@@ -388,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "say": _say,
         "voices": _voices,
         "serve": _serve,
+        "wyoming": _wyoming,
         "quantize": _quantize,
         "random-checkpoint": _random_checkpoint,
     }[args.command]
