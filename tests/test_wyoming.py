@@ -453,3 +453,30 @@ def test_kazeia_wyoming_refuses_bad_settings_before_serving(tiny_checkpoints):
             [sys.executable, "-m", "kazeia", "wyoming", "--model", model, *flags], capture_output=True, timeout=120
         )
         assert run.returncode == 2 and words in run.stderr.decode(), (flags, run.stderr.decode())
+
+
+def test_a_voice_design_checkpoint_speaks_the_voice_its_instruct_describes(engines):
+    engine = engines["1.7B-design"]
+    with pytest.raises(ValueError, match="VoiceDesign checkpoints need instruct"):
+        WyomingService(engine, ServerConfig("tiny-design"), WyomingSettings())
+    description = "A warm, slow voice."
+    settings = dict(instruct=description, seed=4, sampling=dict(ignore_eos=True, max_new_tokens=6))
+
+    async def session(live) -> tuple[Info, list[Event], list[Event]]:
+        async with live.client() as client:
+            await client.write_event(Describe().event())
+            info = Info.from_event((await read_until(client, "info"))[-1])
+            await client.write_event(Synthesize(text="Hello.", voice=SynthesizeVoice(name="designed")).event())
+            spoken = await read_until(client, "audio-stop", "error")
+            await client.write_event(Synthesize(text="Hello.", voice=SynthesizeVoice(name="serena")).event())
+            return info, spoken, await read_until(client, "error")
+
+    with serve(engine, settings) as live:
+        info, spoken, refused = asyncio.run(session(live))
+    (voice,) = info.tts[0].voices
+    assert (voice.name, voice.description, voice.languages) == ("designed", f"Designed: {description}", CODES)
+    expected = offline_pcm(engine, "Hello.", instruct=description, seed=4, ignore_eos=True, max_new_tokens=6)
+    pcm = audio_of(spoken)
+    assert len(pcm) == 5 * FRAME_BYTES
+    assert np.max(np.abs(np.frombuffer(pcm, "<i2").astype(int) - np.frombuffer(expected, "<i2"))) <= 1
+    assert "unknown voice 'serena'" in Error.from_event(refused[-1]).text
