@@ -480,3 +480,21 @@ def test_a_voice_design_checkpoint_speaks_the_voice_its_instruct_describes(engin
     assert len(pcm) == 5 * FRAME_BYTES
     assert np.max(np.abs(np.frombuffer(pcm, "<i2").astype(int) - np.frombuffer(expected, "<i2"))) <= 1
     assert "unknown voice 'serena'" in Error.from_event(refused[-1]).text
+
+
+def test_idle_and_surplus_connections_are_closed_with_an_error(engines):
+    async def connections(live) -> tuple[Error, Event | None, Error, Event | None]:
+        async with live.client() as first, live.client() as second:
+            surplus = Error.from_event((await read_until(second, "error"))[-1])  # max_connections 1
+            after_surplus = await asyncio.wait_for(second.read_event(), 10)
+            started = time.perf_counter()
+            idle = Error.from_event((await read_until(first, "error"))[-1])  # idle_s 0.3: nothing sent
+            assert 0.3 <= time.perf_counter() - started < 5
+            return surplus, after_surplus, idle, await asyncio.wait_for(first.read_event(), 10)
+
+    settings = dict(seed=1, idle_s=0.3, sampling=dict(max_new_tokens=4))
+    with serve(engines["0.6B-custom"], settings, max_connections=1) as live:
+        surplus, after_surplus, idle, after_idle = asyncio.run(connections(live))
+    assert surplus.code == "too_many_connections" and "at most 1 connections" in surplus.text
+    assert idle.code == "idle_timeout" and "0.3 s" in idle.text
+    assert after_surplus is None and after_idle is None  # both closed by the server
