@@ -1,4 +1,4 @@
-"""The `kazeia` command: say, voices, serve, quantize, random-checkpoint.
+"""The `kazeia` command: say, voices, serve, wyoming, quantize, random-checkpoint.
 
 Thin: parse arguments, call the engine, write files, print figures. Bad input exits with status 2
 and one line on stderr.
@@ -15,7 +15,7 @@ import sys
 import time
 
 from .sampling import SamplingOptions
-from .server.config import Limits, ServerConfig
+from .server.config import Limits, ServerConfig, WyomingSettings
 from .streaming import ChunkSchedule
 
 DEFAULT_MODEL = "Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice"
@@ -46,11 +46,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    """One flag per `SamplingOptions` field (--top-k for top_k), with its description; unset flags
-    leave the checkpoint's default."""
+def _sampling_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per `SamplingOptions` field (--top-k for top_k) but `skip`, with its description;
+    unset flags leave the checkpoint's default."""
     g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
     for name, (kind, help) in SamplingOptions.describe().items():
+        if name in skip:
+            continue
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
@@ -127,27 +129,38 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="another model id to answer to, besides tts-1, tts-1-hd and gpt-4o-mini-tts; repeatable",
     )
-    server, limits = _defaults(ServerConfig), _defaults(Limits)
     srv.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
-    for flag, default, kind, help in (
-        ("--queue-size", server["queue_size"], int, "utterances waiting before 503"),
-        ("--max-input-chars", limits["max_input_chars"], int, "longest input text"),
-        ("--max-new-tokens", limits["max_new_tokens"], int, "talker tokens per utterance at most"),
-        (
-            "--voices-dir",
-            server["voices_dir"],
-            str,
-            "Base checkpoints: directory of the saved voices, created if missing",
-        ),
-        ("--text-timeout", server["text_timeout"], float, "seconds a live WebSocket text may pause before it fails"),
-        ("--text-deadline", server["text_deadline"], float, "seconds within which a live WebSocket text must end"),
-        ("--max-connections", server["max_connections"], int, "open connections at once; more get 503"),
-        ("--ws-idle-timeout", server["ws_idle_s"], float, "seconds an idle WebSocket stays open"),
-        ("--max-voices", limits["max_voices"], int, "Base checkpoints: saved voices at most"),
-    ):
-        srv.add_argument(flag, type=kind, default=default, help=f"{help} (default: %(default)s)")
-    _chunk_args(srv, server["first_chunk_frames"], server["chunk_frames"])
-    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _server_args(srv, websocket=True)
+
+    wyo = sub.add_parser(
+        "wyoming", help="serve the Wyoming protocol for Home Assistant, speaking streamed text as it arrives"
+    )
+    _model_args(wyo)
+    wyo.add_argument(
+        "--uri",
+        default="tcp://127.0.0.1:10200",
+        help="where to listen: tcp://HOST:PORT or unix://PATH (default: %(default)s; tcp://0.0.0.0:10200 for the LAN)",
+    )
+    wyo.add_argument("--voice", help="voice when a request names none (default: the first one listed)")
+    wyo.add_argument("--language", help="language (name or code) when a request names none (default: auto)")
+    wyo.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
+    wyo.add_argument("--seed", type=int, help="every utterance's seed: the same text, the same audio (default: random)")
+    wyo.add_argument(
+        "--zeroconf",
+        nargs="?",
+        const="",
+        metavar="NAME",
+        help="announce the service on the LAN for Home Assistant's discovery, under NAME (default: the machine's); "
+        "needs the zeroconf package",
+    )
+    wyo.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=_defaults(WyomingSettings)["idle_s"],
+        help="seconds a connection with nothing generating stays open (default: %(default)s)",
+    )
+    _server_args(wyo, websocket=False)
+    _sampling_args(wyo, skip=("max_new_tokens",))  # --max-new-tokens is the server's bound and default
 
     qnt = sub.add_parser(
         "quantize", help="write a checkpoint prepared for one precision, which loads without converting anything"
@@ -164,6 +177,33 @@ def build_parser() -> argparse.ArgumentParser:
     rnd.add_argument("--real-size", action="store_true", help="real dimensions (GBs) instead of tiny ones")
     rnd.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
+    """The flags of the settings `kazeia serve` and `kazeia wyoming` share (ServerConfig, Limits)."""
+    server, limits = _defaults(ServerConfig), _defaults(Limits)
+    live = "live WebSocket" if websocket else "streamed"
+    flags = [
+        ("--queue-size", server["queue_size"], int, "utterances waiting before 503"),
+        ("--max-input-chars", limits["max_input_chars"], int, "longest input text"),
+        ("--max-new-tokens", limits["max_new_tokens"], int, "talker tokens per utterance at most"),
+        (
+            "--voices-dir",
+            server["voices_dir"],
+            str,
+            "Base checkpoints: directory of the saved voices, created if missing",
+        ),
+        ("--text-timeout", server["text_timeout"], float, f"seconds a {live} text may pause before it fails"),
+        ("--text-deadline", server["text_deadline"], float, f"seconds within which a {live} text must end"),
+        ("--max-connections", server["max_connections"], int, "open connections at once; more are refused"),
+        ("--max-voices", limits["max_voices"], int, "Base checkpoints: saved voices at most"),
+    ]
+    if websocket:
+        flags.append(("--ws-idle-timeout", server["ws_idle_s"], float, "seconds an idle WebSocket stays open"))
+    for flag, default, kind, help in flags:
+        p.add_argument(flag, type=kind, default=default, help=f"{help} (default: %(default)s)")
+    _chunk_args(p, server["first_chunk_frames"], server["chunk_frames"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def _port(value: str) -> int:
@@ -196,13 +236,19 @@ def _load(args):
     )
 
 
+def _sampling(args) -> dict:
+    """The sampling flags that were given (the others: None), --greedy applied."""
+    sampling = {name: getattr(args, name, None) for name in SamplingOptions.names()}
+    if args.greedy:
+        sampling.update(do_sample=False, subtalker_dosample=False)
+    return sampling
+
+
 def _say(args) -> int:
     from .audio import write_audio
 
     engine = _load(args)
-    sampling = {name: getattr(args, name) for name in SamplingOptions.names()}
-    if args.greedy:
-        sampling.update(do_sample=False, subtalker_dosample=False)
+    sampling = _sampling(args)
     if args.stream:
         return _say_streaming(engine, args, sampling)
     speech = engine.synthesize(
@@ -297,16 +343,34 @@ def _serve(args) -> int:
             serve,
         )
     except ImportError as e:
-        missing = f"{e.name} is missing"
-        print(f"kazeia: error: serve needs the server extra ({missing}): pip install 'kazeia[server]'", file=sys.stderr)
-        return 2
-    name = args.served_model_name or (
-        os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
+        return _missing_extra("serve", "server", e)
+    config = _server_config(
+        args,
+        args.served_model_name,
+        model_aliases=(*_defaults(ServerConfig)["model_aliases"], *args.model_alias),
+        allowed_origins=tuple(o.strip() for arg in args.allowed_origin for o in arg.split(",") if o.strip()),
+        api_key=args.api_key or None,
+        ws_idle_s=args.ws_idle_timeout,
     )
+    serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _missing_extra(command: str, extra: str, error: ImportError) -> int:
+    print(
+        f"kazeia: error: {command} needs the {extra} extra ({error.name} is missing): pip install 'kazeia[{extra}]'",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _server_config(args, name: str | None, **only) -> ServerConfig:
+    """The settings `kazeia serve` and `kazeia wyoming` share, from their flags; `only`: the others."""
+    name = name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model)
     limits = Limits(
         max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens, max_voices=args.max_voices
     )
-    config = ServerConfig(
+    return ServerConfig(
         name,
         args.queue_size,
         args.first_chunk_frames,
@@ -315,13 +379,29 @@ def _serve(args) -> int:
         voices_dir=args.voices_dir,
         text_timeout=args.text_timeout,
         text_deadline=args.text_deadline,
-        model_aliases=(*_defaults(ServerConfig)["model_aliases"], *args.model_alias),
-        allowed_origins=tuple(o.strip() for arg in args.allowed_origin for o in arg.split(",") if o.strip()),
-        api_key=args.api_key or None,
         max_connections=args.max_connections,
-        ws_idle_s=args.ws_idle_timeout,
+        **only,
     )
-    serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _wyoming(args) -> int:
+    try:
+        from .server.wyoming import WyomingService, check_uri
+    except ImportError as e:
+        return _missing_extra("wyoming", "wyoming", e)
+    import asyncio
+    import importlib.util
+    import logging
+
+    if args.zeroconf is not None and importlib.util.find_spec("zeroconf") is None:
+        raise ValueError("--zeroconf needs the zeroconf package (LGPL-2.1, not a kazeia extra): pip install zeroconf")
+    check_uri(args.uri)
+    config = _server_config(args, None)
+    sampling = {name: value for name, value in _sampling(args).items() if value is not None}
+    settings = WyomingSettings(args.voice, args.language, args.instruct, args.seed, sampling, args.idle_timeout)
+    logging.basicConfig(format="%(levelname)s: %(name)s: %(message)s", level=args.log_level.upper())
+    service = WyomingService(_load(args), config, settings)
+    asyncio.run(service.run(args.uri, args.zeroconf))
     return 0
 
 
@@ -361,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         "say": _say,
         "voices": _voices,
         "serve": _serve,
+        "wyoming": _wyoming,
         "quantize": _quantize,
         "random-checkpoint": _random_checkpoint,
     }[args.command]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -142,3 +143,17 @@ def ws_receive(ws) -> dict | bytes:
     if message.get("bytes") is not None:
         return message["bytes"]
     return json.loads(message["text"])
+
+
+def llm_tokens(text: str) -> list[str]:
+    """Pieces like an LLM's tokens: words with their leading space, long words cut in two."""
+    tokens = []
+    for word in re.findall(r"\s*\S+", text):
+        tokens += [word[:4], word[4:]] if len(word) > 6 else [word]
+    return tokens
+
+
+def whole_text_pcm(engine, text: str, **options) -> bytes:
+    """What the server must send: the engine's stream of the whole text, streaming text layout."""
+    with engine.stream(text, non_streaming_mode=False, first_chunk_frames=1, chunk_frames=4, **options) as stream:
+        return b"".join(pcm16(chunk.audio) for chunk in stream)

@@ -7,7 +7,6 @@ cancel) go through Starlette's TestClient.
 """
 
 import json
-import re
 import threading
 import time
 
@@ -16,29 +15,14 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
-from server_support import FRAME_BYTES, LiveServer
+from server_support import FRAME_BYTES, LiveServer, llm_tokens, whole_text_pcm
 from server_support import ws_receive as receive
 
-from kazeia.audio import pcm16
 from kazeia.server import Limits, ServerConfig, create_app
 
 ROUTE = "/v1/audio/speech/stream"
 REPLY = "Hello there! I am a language model, and this reply is spoken while I am still writing it."
 SESSION = dict(voice="serena", language="english", seed=23, ignore_eos=True, max_new_tokens=48)
-
-
-def llm_tokens(text: str) -> list[str]:
-    """Pieces like an LLM's tokens: words with their leading space, long words cut in two."""
-    tokens = []
-    for word in re.findall(r"\s*\S+", text):
-        tokens += [word[:4], word[4:]] if len(word) > 6 else [word]
-    return tokens
-
-
-def whole_text_pcm(engine, text: str, **options) -> bytes:
-    """What the server must send: the engine's stream of the whole text, streaming text layout."""
-    with engine.stream(text, non_streaming_mode=False, first_chunk_frames=1, chunk_frames=4, **options) as stream:
-        return b"".join(pcm16(chunk.audio) for chunk in stream)
 
 
 def test_simulated_llm_is_spoken_while_it_writes(engines):

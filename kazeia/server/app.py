@@ -16,30 +16,21 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..engine import Engine
-from ..streaming import ChunkSchedule
 from .config import ServerConfig
 from .errors import ApiError
-from .formats import available_formats
 from .guard import Guard
 from .info import router as info_router
-from .metrics import ServerMetrics
 from .speech import router as speech_router
-from .state import ServerState, server_state
-from .voices import VoiceStore
+from .state import build_state, server_state
 from .voices import router as voices_router
 from .websocket import router as websocket_router
-from .worker import Worker
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
-    """The application for one loaded engine; its worker thread runs while the app is served.
-
-    A Base (voice-clone) checkpoint speaks with the voices saved in `config.voices_dir` (created if
-    missing; a ValueError if it cannot be); other checkpoints never touch that directory."""
-    voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
-    metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
-    schedule = ChunkSchedule(config.first_chunk_frames, config.chunk_frames)
-    worker = Worker(engine, config.queue_size, schedule, metrics)
+    """The application for one loaded engine (`state.build_state`: its worker, metrics and saved
+    voices); its worker thread runs while the app is served."""
+    state = build_state(engine, config)
+    worker = state.worker
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,7 +50,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             expose_headers=["X-Kazeia-Seed"],
         )
     app.add_middleware(Guard, config=config)  # outermost: Host, Origin and API key before anything
-    app.state.kazeia = ServerState(engine, config, worker, metrics, available_formats(), voices)
+    app.state.kazeia = state
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

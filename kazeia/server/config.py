@@ -1,4 +1,5 @@
-"""Server settings: what a request may ask for (`Limits`) and how the server runs (`ServerConfig`)."""
+"""Server settings: what a request may ask for (`Limits`), how the server runs (`ServerConfig`), and
+what the Wyoming server gives every utterance (`WyomingSettings`)."""
 
 from __future__ import annotations
 
@@ -102,9 +103,7 @@ class ServerConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         for name in ("text_timeout", "text_deadline", "ws_idle_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            _check_seconds(name, getattr(self, name))
         if not all(isinstance(a, str) and a.strip() for a in self.model_aliases):
             raise ValueError(f"model_aliases must be non-empty strings, got {self.model_aliases!r}")
         for origin in self.allowed_origins:  # as browsers send it: scheme://host[:port], nothing more
@@ -126,3 +125,24 @@ class ServerConfig:
     @property
     def voices_path(self) -> Path:
         return Path(self.voices_dir).expanduser()
+
+
+@dataclass(frozen=True)
+class WyomingSettings:
+    """What every utterance gets that a Wyoming client cannot ask for (the protocol carries a text
+    and a voice's name, language and speaker, nothing more)."""
+
+    voice: str | None = None  # when a request names none: None for the first voice `info` lists
+    language: str | None = None  # when a request names none (Home Assistant sends none): None for auto
+    instruct: str | None = None  # 1.7B CustomVoice: a speaking style; VoiceDesign: the voice (required)
+    seed: int | None = None  # every utterance's seed: the same text gives the same audio (None: random)
+    sampling: dict = field(default_factory=dict)  # SamplingOptions fields, e.g. {"temperature": 0.7}
+    idle_s: float = 300.0  # a connection with nothing generating for this long is closed
+
+    def __post_init__(self) -> None:
+        _check_seconds("idle_s", self.idle_s)
+
+
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")

@@ -1,4 +1,7 @@
-"""What every handler reaches through `request.app.state.kazeia`: the engine, its worker, the voices."""
+"""What every handler reaches through `request.app.state.kazeia`: the engine, its worker, the voices.
+
+`build_state` makes them for one engine; the HTTP app and the Wyoming server are built on it, so
+both speak through the same kind of worker: one thread, one bounded queue, cancel within a frame."""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ from typing import TYPE_CHECKING
 from starlette.requests import HTTPConnection
 
 from ..engine import Engine
+from ..streaming import ChunkSchedule
 from .config import ServerConfig
-from .formats import AudioFormat
+from .formats import AudioFormat, available_formats
 from .metrics import ServerMetrics
 from .worker import Worker
 
@@ -29,3 +33,16 @@ class ServerState:
 
 def server_state(connection: HTTPConnection) -> ServerState:
     return connection.app.state.kazeia
+
+
+def build_state(engine: Engine, config: ServerConfig) -> ServerState:
+    """The worker (not started yet), metrics and voices of one engine. A Base (voice-clone)
+    checkpoint speaks with the voices saved in `config.voices_dir` (created if missing; a ValueError
+    if it cannot be); other checkpoints never touch that directory."""
+    from .voices import VoiceStore  # voices.py reads the state of a request through this module
+
+    voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
+    metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
+    schedule = ChunkSchedule(config.first_chunk_frames, config.chunk_frames)
+    worker = Worker(engine, config.queue_size, schedule, metrics)
+    return ServerState(engine, config, worker, metrics, available_formats(), voices)

@@ -1,0 +1,500 @@
+"""The Wyoming server (Home Assistant) against the `wyoming` package's own client, on 127.0.0.1.
+
+A real server runs in a thread on its own event loop; the client drives it the way Home Assistant
+does: a stream of one `synthesize-chunk` per LLM token every 50 ms, then the whole text in a
+`synthesize`, then `synthesize-stop`, reading until `synthesize-stopped`. The audio must start
+before the last token is sent and be the engine's audio of the whole text with the same seed; bad
+events are answered with `error` on a connection that goes on serving; a client that leaves stops
+its generation within a frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("wyoming")
+from server_support import FRAME_BYTES, free_port, llm_tokens, offline_pcm, stop_process, whole_text_pcm
+from wyoming.client import AsyncTcpClient
+from wyoming.error import Error
+from wyoming.event import Event, async_read_event, async_write_event
+from wyoming.info import Describe, Info
+from wyoming.ping import Ping
+from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
+
+from kazeia.server import Limits, ServerConfig
+from kazeia.server.config import WyomingSettings
+from kazeia.server.wyoming import WyomingService
+
+REPLY = "Sure! The kitchen lights are on now, and the thermostat is set to twenty one degrees."
+OPTIONS = dict(seed=23, ignore_eos=True, max_new_tokens=48)  # a random model rarely ends by itself
+CODES = ["zh", "en", "fr", "de", "it", "ja", "ko", "pt", "ru", "es"]  # chinese ... spanish, by Kazeia's names
+
+
+class LiveWyoming:
+    """`service` serving tcp://127.0.0.1:PORT from a thread with its own event loop."""
+
+    def __init__(self, service: WyomingService):
+        self.service, self.port = service, free_port()
+        self.loop = asyncio.new_event_loop()
+        self.task: asyncio.Task | None = None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.task = self.loop.create_task(self.service.run(f"tcp://127.0.0.1:{self.port}"))
+        try:
+            self.loop.run_until_complete(self.task)
+        except asyncio.CancelledError:
+            pass
+
+    def __enter__(self) -> LiveWyoming:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not _accepts(self.port):
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the Wyoming server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "the Wyoming server did not stop"
+
+    def client(self) -> AsyncTcpClient:
+        return AsyncTcpClient("127.0.0.1", self.port)
+
+
+def _accepts(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def serve(engine, settings: dict | None = None, **config) -> LiveWyoming:
+    limits = config.pop("limits", Limits(max_input_chars=200, max_new_tokens=600))
+    settings = settings or dict(seed=OPTIONS["seed"], sampling=dict(ignore_eos=True, max_new_tokens=48))
+    config = ServerConfig("tiny", limits=limits, **config)
+    return LiveWyoming(WyomingService(engine, config, WyomingSettings(**settings)))
+
+
+@pytest.fixture(scope="module")
+def live(engines):
+    with serve(engines["0.6B-custom"], text_timeout=0.6) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def long_live(engines):
+    """Utterances of 599 frames: seconds of work, so that the test sees them while they are generated."""
+    with serve(engines["0.6B-custom"], dict(seed=23, sampling=dict(ignore_eos=True, max_new_tokens=600))) as live:
+        yield live
+
+
+async def read_until(client, *ends: str) -> list[Event]:
+    """Events up to and including the first whose type is in `ends`."""
+    events = []
+    while not events or events[-1].type not in ends:
+        event = await asyncio.wait_for(client.read_event(), 30)
+        assert event is not None, f"the connection closed after {[e.type for e in events]}"
+        events.append(event)
+    return events
+
+
+def audio_of(events: list[Event]) -> bytes:
+    """The PCM of an utterance's events, checking its one format: 24 kHz, 16-bit, mono."""
+    starts = [e for e in events if e.type == "audio-start"]
+    assert len(starts) == 1, [e.type for e in events]
+    chunks = [e for e in events if e.type == "audio-chunk"]
+    for event in (*starts, *chunks):
+        assert (event.data["rate"], event.data["width"], event.data["channels"]) == (24000, 2, 1)
+    return b"".join(e.payload for e in chunks)
+
+
+def test_home_assistant_stream_is_spoken_while_the_reply_is_written(live, engines):
+    tokens = llm_tokens(REPLY)
+    assert len(tokens) >= 15 and "".join(tokens) == REPLY
+    voice = SynthesizeVoice(name="serena")  # Home Assistant sends a name and no language
+    sent: dict[str, float] = {}
+
+    async def home_assistant() -> tuple[list[Event], float]:
+        async with live.client() as client:
+
+            async def write_text() -> None:
+                await client.write_event(SynthesizeStart(voice=voice).event())
+                for token in tokens:
+                    await client.write_event(SynthesizeChunk(text=token).event())
+                    sent["last"] = time.perf_counter()
+                    await asyncio.sleep(0.05)
+                await client.write_event(Synthesize(text=REPLY, voice=voice).event())  # ignored in a stream
+                await client.write_event(SynthesizeStop().event())
+
+            writer = asyncio.create_task(write_text())
+            events, first_audio = [], None
+            while not events or events[-1].type != "synthesize-stopped":
+                events += await read_until(client, "audio-chunk", "synthesize-stopped")
+                if first_audio is None and events[-1].type == "audio-chunk":
+                    first_audio = time.perf_counter()
+            await writer
+        return events, first_audio
+
+    events, first_audio = asyncio.run(home_assistant())
+    kinds = [e.type for e in events]
+    assert kinds[0] == "audio-start" and kinds[-2:] == ["audio-stop", "synthesize-stopped"], kinds
+    assert set(kinds[1:-2]) == {"audio-chunk"}
+    assert first_audio < sent["last"], "speech started only after the last text chunk"
+    pcm = audio_of(events)
+    assert len(pcm) == 47 * FRAME_BYTES
+    assert pcm == whole_text_pcm(engines["0.6B-custom"], REPLY, voice="serena", **OPTIONS)
+
+
+def test_one_shot_synthesize_streams_audio_while_it_is_generated(long_live, engines):
+    live, worker = long_live, long_live.service.worker
+
+    async def speak() -> tuple[list[Event], int]:
+        async with live.client() as client:
+            # SynthesizeVoice sends a language only without a name; the protocol carries both.
+            voice = {"name": "Ryan", "language": "en-US"}
+            await client.write_event(Event("synthesize", {"text": "Good morning.", "voice": voice}))
+            events = await read_until(client, "audio-chunk")
+            generating = worker.active  # the first chunk is out: the utterance is still being generated
+            return events + await read_until(client, "audio-stop"), generating
+
+    events, generating = asyncio.run(speak())
+    assert generating == 1
+    chunks = [len(e.payload) for e in events if e.type == "audio-chunk"]
+    assert chunks[:3] == [FRAME_BYTES, 4 * FRAME_BYTES, 4 * FRAME_BYTES]  # the streaming schedule: 1, then 4
+    long = dict(OPTIONS, max_new_tokens=600)
+    expected = offline_pcm(engines["0.6B-custom"], "Good morning.", voice="ryan", language="english", **long)
+    pcm = audio_of(events)
+    assert len(pcm) == len(expected) == 599 * FRAME_BYTES
+    a, b = np.frombuffer(pcm, "<i2").astype(int), np.frombuffer(expected, "<i2").astype(int)
+    assert np.max(np.abs(a - b)) <= 1  # streamed and offline decoding differ by float rounding only
+
+
+def test_describe_lists_the_voices_and_languages(live, engines):
+    async def describe() -> Info:
+        async with live.client() as client:
+            await client.write_event(Describe().event())
+            return Info.from_event((await read_until(client, "info"))[-1])
+
+    (program,) = asyncio.run(describe()).tts
+    assert program.name == "kazeia" and program.installed and program.supports_synthesize_streaming
+    assert program.attribution.url == "https://github.com/QwenLM/Qwen3-TTS"
+    names = ["aiden", "dylan", "eric", "ono_anna", "ryan", "serena", "sohee", "uncle_fu", "vivian"]
+    assert [v.name for v in program.voices] == names == engines["0.6B-custom"].voices
+    assert {v.description for v in program.voices} >= {"Uncle Fu", "Ono Anna"}
+    assert all(v.languages == CODES and v.installed for v in program.voices)
+
+
+def test_saved_voices_of_a_base_checkpoint_are_listed_and_spoken(engines, tmp_path):
+    engine = engines["0.6B-base"]
+    rng = np.random.default_rng(5)
+    engine.create_voice((rng.standard_normal(24000 * 2).astype(np.float32) * 0.1, 24000), x_vector_only=True).save(
+        tmp_path / "nora.voice"
+    )
+
+    async def session(live) -> tuple[Info, list[Event]]:
+        async with live.client() as client:
+            await client.write_event(Describe().event())
+            info = Info.from_event((await read_until(client, "info"))[-1])
+            await client.write_event(Synthesize(text="Welcome home.").event())  # no voice: the first saved
+            return info, await read_until(client, "audio-stop", "error")
+
+    settings = dict(seed=3, language="fr", sampling=dict(ignore_eos=True, max_new_tokens=8))
+    with serve(engine, settings, voices_dir=tmp_path) as live:
+        info, events = asyncio.run(session(live))
+    assert [(v.name, v.languages) for v in info.tts[0].voices] == [("nora", CODES)]
+    options = dict(language="french", seed=3, ignore_eos=True, max_new_tokens=8)
+    expected = offline_pcm(engine, "Welcome home.", voice=str(tmp_path / "nora.voice"), **options)
+    pcm = audio_of(events)
+    assert len(pcm) == 7 * FRAME_BYTES
+    assert np.max(np.abs(np.frombuffer(pcm, "<i2").astype(int) - np.frombuffer(expected, "<i2"))) <= 1
+
+
+async def send_raw(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(data)
+    await writer.drain()
+
+
+async def expect_error(reader: asyncio.StreamReader, code: str, *words: str) -> None:
+    event = await asyncio.wait_for(async_read_event(reader), 10)
+    assert event is not None and Error.is_type(event.type), event
+    error = Error.from_event(event)
+    assert error.code == code and all(w in error.text for w in words), error
+
+
+def test_every_bad_event_is_answered_with_error_and_the_connection_goes_on(live):
+    limit = live.service.config.limits.max_body_bytes
+
+    async def hostile() -> list[Event]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+        send = lambda event: async_write_event(event, writer)  # noqa: E731
+        await send(Synthesize(text="Hi.", voice=SynthesizeVoice(name="nobody")).event())
+        await expect_error(reader, "invalid_value", "unknown voice 'nobody'", "serena")
+        await send(Synthesize(text="Hi.", voice=SynthesizeVoice(language="xx")).event())
+        await expect_error(reader, "invalid_value", "unknown language 'xx'", "en (english)")
+        await send(Synthesize(text="x" * 201).event())
+        await expect_error(reader, "string_above_max_length", "text is 201 characters", "at most 200")
+        await send(Synthesize(text="   ").event())
+        await expect_error(reader, "invalid_value", "text is empty")
+        await send(Event("synthesize", {"text": 42}))
+        await expect_error(reader, "missing_parameter", "a string")
+        await send(Event("synthesize", {"text": "Hi.", "text_format": "ssml"}))
+        await expect_error(reader, "invalid_value", "'ssml' is not supported")
+        await send(SynthesizeChunk(text="no stream").event())
+        await expect_error(reader, "no_open_stream", "synthesize-chunk without synthesize-start")
+        await send(SynthesizeStop().event())
+        await expect_error(reader, "no_open_stream", "synthesize-stop without synthesize-start")
+        await send(Event("transcribe", {}))
+        await expect_error(reader, "unknown_event", "'transcribe'")
+        await send_raw(writer, b"{not json\n")
+        await expect_error(reader, "invalid_json", "event header")
+        await send_raw(writer, b'["a list"]\n')
+        await expect_error(reader, "invalid_json", "must be a JSON object")
+        await send_raw(writer, json.dumps({"type": "synthesize", "data_length": -1}).encode() + b"\n")
+        await expect_error(reader, "invalid_event", "data_length")
+        big = limit + 1  # declared and sent: read past without being kept
+        await send_raw(writer, json.dumps({"type": "synthesize", "payload_length": big}).encode() + b"\n" + bytes(big))
+        await expect_error(reader, "event_too_large", f"the limit is {limit}")
+        await send_raw(writer, b'{"type": "synthesize", "data": {"text": "' + b"y" * 100_000 + b'"}}\n')
+        await expect_error(reader, "event_too_large", "header line is too long")
+        # Out of order in a stream: a second start, then an empty stream and one over the limit.
+        await send(SynthesizeStart().event())
+        await send(SynthesizeStart().event())
+        await expect_error(reader, "out_of_order", "a stream is open")
+        await send(Synthesize(text="ignored inside a stream").event())
+        await send(SynthesizeChunk(text="  ").event())
+        await send(SynthesizeStop().event())
+        await expect_error(reader, "invalid_value", "text is empty")
+        assert (await async_read_event(reader)).type == "synthesize-stopped"
+        await send(SynthesizeStart().event())
+        await send(SynthesizeChunk(text="a" * 150).event())
+        assert (await async_read_event(reader)).type == "audio-start"
+        await send(SynthesizeChunk(text="b" * 51).event())  # 201 characters in all
+        await send(SynthesizeChunk(text="dropped").event())
+        await send(SynthesizeStop().event())
+        events = []
+        while not events or events[-1].type != "synthesize-stopped":
+            events.append(await asyncio.wait_for(async_read_event(reader), 30))
+        errors = [Error.from_event(e) for e in events if e.type == "error"]
+        assert len(errors) == 1 and errors[0].code == "string_above_max_length", events
+        assert "this stream would be 201 characters" in errors[0].text
+        assert [e.type for e in events if e.type != "audio-chunk"][-2:] == ["audio-stop", "synthesize-stopped"]
+        # Still serving: a ping, then a whole text.
+        await send(Ping(text="still there?").event())
+        pong = await async_read_event(reader)
+        assert (pong.type, pong.data["text"]) == ("pong", "still there?")
+        await send(Synthesize(text="All good.", voice=SynthesizeVoice(name="vivian")).event())
+        events = []
+        while not events or events[-1].type not in ("audio-stop", "error"):
+            events.append(await asyncio.wait_for(async_read_event(reader), 30))
+        writer.close()
+        return events
+
+    events = asyncio.run(hostile())
+    assert len(audio_of(events)) == 47 * FRAME_BYTES
+    assert live.service.connections == 0 or _settles(lambda: live.service.connections == 0)
+
+
+def _settles(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_synthesize_while_speaking_is_refused(live):
+    async def twice() -> list[Event]:
+        async with live.client() as client:
+            await client.write_event(Synthesize(text="One.").event())
+            await client.write_event(Synthesize(text="Two.").event())
+            return await read_until(client, "audio-stop")
+
+    events = asyncio.run(twice())
+    errors = [Error.from_event(e) for e in events if e.type == "error"]
+    assert [e.code for e in errors] == ["out_of_order"] and "still speaking" in errors[0].text
+    assert len(audio_of(events)) == 47 * FRAME_BYTES
+
+
+def _record(worker, count: int):
+    assert _settles(lambda: len(worker.records) >= count), "the job did not end"
+    return worker.records[count - 1]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["synthesize", "stream"])
+def test_a_client_that_leaves_stops_its_generation_within_a_frame(long_live, streamed):
+    live, worker, service = long_live, long_live.service.worker, long_live.service
+    jobs = len(worker.records)
+
+    async def leave() -> None:
+        async with live.client() as client:
+            if streamed:
+                await client.write_event(SynthesizeStart().event())
+                await client.write_event(SynthesizeChunk(text="Tell me a long story about ").event())
+            else:
+                await client.write_event(Synthesize(text="Tell me a long story.").event())
+            await read_until(client, "audio-chunk")
+
+    asyncio.run(leave())
+    record = _record(worker, jobs + 1)
+    assert record.status == "cancelled" and record.frames < 599
+    assert record.frames - record.frames_at_cancel <= 1
+    assert _settles(lambda: worker.active == 0 and service.connections == 0)
+
+
+def test_blank_chunks_never_hold_the_worker(live):
+    """Blank chunks take no worker; a stream that stops advancing fails at text_timeout (0.6 s)."""
+    worker = live.service.worker
+    jobs = len(worker.records)
+
+    async def stall() -> tuple[list[Event], float]:
+        async with live.client() as client:
+            await client.write_event(SynthesizeStart().event())
+            for _ in range(5):
+                await client.write_event(SynthesizeChunk(text=" ").event())
+                await asyncio.sleep(0.1)
+            assert worker.active == 0 and len(worker.records) == jobs  # nothing queued for blank text
+            started = time.perf_counter()
+            await client.write_event(SynthesizeChunk(text="Hello").event())
+
+            async def blanks() -> None:
+                for _ in range(15):  # 1.5 s of blank chunks: they do not keep it alive
+                    await client.write_event(SynthesizeChunk(text=" ").event())
+                    await asyncio.sleep(0.1)
+                await client.write_event(SynthesizeStop().event())
+
+            keep_alive = asyncio.create_task(blanks())
+            events = await read_until(client, "error")
+            waited = time.perf_counter() - started
+            events += await read_until(client, "synthesize-stopped")
+            await keep_alive
+            return events, waited
+
+    events, waited = asyncio.run(stall())
+    error = Error.from_event(next(e for e in events if e.type == "error"))
+    assert error.code == "text_timeout" and "0.6 s" in error.text and 0.6 <= waited < 3
+    assert [e.type for e in events if e.type != "audio-chunk"][-2:] == ["audio-stop", "synthesize-stopped"]
+    assert _record(worker, jobs + 1).status == "failed"
+
+
+def test_the_queue_is_bounded(engines):
+    """queue_size 1: one utterance generating and one waiting; a third connection is refused."""
+
+    async def crowd(live) -> Error:
+        clients = [live.client() for _ in range(3)]
+        for client in clients:
+            await client.connect()
+        try:
+            for client in clients[:2]:
+                await client.write_event(Synthesize(text="Wait for it.").event())
+                await read_until(client, "audio-start")
+            await clients[2].write_event(Synthesize(text="And me?").event())
+            return Error.from_event((await read_until(clients[2], "error"))[-1])
+        finally:
+            for client in clients:
+                await client.disconnect()
+
+    settings = dict(seed=1, sampling=dict(ignore_eos=True, max_new_tokens=600))
+    with serve(engines["0.6B-custom"], settings, queue_size=1) as live:
+        error = asyncio.run(crowd(live))
+    assert error.code == "queue_full" and "busy" in error.text
+
+
+def test_kazeia_wyoming_command(tiny_checkpoints, engines, tmp_path):
+    port = free_port()
+    command = [sys.executable, "-m", "kazeia", "wyoming", "--model", str(tiny_checkpoints["0.6B-custom"])]
+    command += ["--uri", f"tcp://127.0.0.1:{port}", "--voice", "sohee", "--language", "ko", "--seed", "9"]
+    command += ["--ignore-eos", "--max-new-tokens", "12", "--log-level", "warning"]
+    log = tmp_path / "wyoming.log"
+    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not _accepts(port):
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+        async def speak() -> list[Event]:
+            async with AsyncTcpClient("127.0.0.1", port) as client:
+                await client.write_event(Synthesize(text="Annyeong.").event())
+                return await read_until(client, "audio-stop", "error")
+
+        events = asyncio.run(speak())
+    finally:
+        stop_process(process)
+    options = dict(voice="sohee", language="korean", seed=9, ignore_eos=True, max_new_tokens=12)
+    expected = offline_pcm(engines["0.6B-custom"], "Annyeong.", **options)
+    pcm = audio_of(events)
+    assert len(pcm) == 11 * FRAME_BYTES
+    assert np.max(np.abs(np.frombuffer(pcm, "<i2").astype(int) - np.frombuffer(expected, "<i2"))) <= 1
+
+
+def test_kazeia_wyoming_refuses_bad_settings_before_serving(tiny_checkpoints):
+    model = str(tiny_checkpoints["0.6B-custom"])
+    for flags, words in (
+        (["--voice", "nobody"], "unknown voice 'nobody'"),
+        (["--language", "klingon"], "unknown language 'klingon'"),
+        (["--uri", "stdio://"], "use tcp://HOST:PORT or unix://PATH"),
+        *[(["--zeroconf"], "needs the zeroconf package")] * (importlib.util.find_spec("zeroconf") is None),
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "kazeia", "wyoming", "--model", model, *flags], capture_output=True, timeout=120
+        )
+        assert run.returncode == 2 and words in run.stderr.decode(), (flags, run.stderr.decode())
+
+
+def test_a_voice_design_checkpoint_speaks_the_voice_its_instruct_describes(engines):
+    engine = engines["1.7B-design"]
+    with pytest.raises(ValueError, match="VoiceDesign checkpoints need instruct"):
+        WyomingService(engine, ServerConfig("tiny-design"), WyomingSettings())
+    description = "A warm, slow voice."
+    settings = dict(instruct=description, seed=4, sampling=dict(ignore_eos=True, max_new_tokens=6))
+
+    async def session(live) -> tuple[Info, list[Event], list[Event]]:
+        async with live.client() as client:
+            await client.write_event(Describe().event())
+            info = Info.from_event((await read_until(client, "info"))[-1])
+            await client.write_event(Synthesize(text="Hello.", voice=SynthesizeVoice(name="designed")).event())
+            spoken = await read_until(client, "audio-stop", "error")
+            await client.write_event(Synthesize(text="Hello.", voice=SynthesizeVoice(name="serena")).event())
+            return info, spoken, await read_until(client, "error")
+
+    with serve(engine, settings) as live:
+        info, spoken, refused = asyncio.run(session(live))
+    (voice,) = info.tts[0].voices
+    assert (voice.name, voice.description, voice.languages) == ("designed", f"Designed: {description}", CODES)
+    expected = offline_pcm(engine, "Hello.", instruct=description, seed=4, ignore_eos=True, max_new_tokens=6)
+    pcm = audio_of(spoken)
+    assert len(pcm) == 5 * FRAME_BYTES
+    assert np.max(np.abs(np.frombuffer(pcm, "<i2").astype(int) - np.frombuffer(expected, "<i2"))) <= 1
+    assert "unknown voice 'serena'" in Error.from_event(refused[-1]).text
+
+
+def test_idle_and_surplus_connections_are_closed_with_an_error(engines):
+    async def connections(live) -> tuple[Error, Event | None, Error, Event | None]:
+        async with live.client() as first, live.client() as second:
+            surplus = Error.from_event((await read_until(second, "error"))[-1])  # max_connections 1
+            after_surplus = await asyncio.wait_for(second.read_event(), 10)
+            started = time.perf_counter()
+            idle = Error.from_event((await read_until(first, "error"))[-1])  # idle_s 0.3: nothing sent
+            assert 0.3 <= time.perf_counter() - started < 5
+            return surplus, after_surplus, idle, await asyncio.wait_for(first.read_event(), 10)
+
+    settings = dict(seed=1, idle_s=0.3, sampling=dict(max_new_tokens=4))
+    with serve(engines["0.6B-custom"], settings, max_connections=1) as live:
+        surplus, after_surplus, idle, after_idle = asyncio.run(connections(live))
+    assert surplus.code == "too_many_connections" and "at most 1 connections" in surplus.text
+    assert idle.code == "idle_timeout" and "0.3 s" in idle.text
+    assert after_surplus is None and after_idle is None  # both closed by the server
