@@ -15,6 +15,7 @@ import sys
 import time
 
 from .sampling import SamplingOptions
+from .segment import LongTextOptions
 from .server.config import Limits, ServerConfig
 from .streaming import ChunkSchedule
 
@@ -46,17 +47,27 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    """One flag per `SamplingOptions` field (--top-k for top_k), with its description; unset flags
-    leave the checkpoint's default."""
-    g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
-    for name, (kind, help) in SamplingOptions.describe().items():
+def _option_flags(group, options) -> None:
+    """One flag per field of an options dataclass (--top-k for top_k; a switch gets --x/--no-x), with
+    its description; unset flags leave the default."""
+    for name, (kind, help) in options.describe().items():
         flag = "--" + name.replace("_", "-")
         if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            g.add_argument(flag, type=kind, help=help)
+            group.add_argument(flag, type=kind, help=help)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
+    _option_flags(g, SamplingOptions)
     g.add_argument("--greedy", action="store_true", help="shorthand for --no-do-sample --no-subtalker-dosample")
+
+
+def _long_text_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("long text (segments, runaway guard, subtitles)")
+    _option_flags(g, LongTextOptions)
+    g.add_argument("--subtitles", help="also write the segments' timestamps as subtitles: a .srt or .vtt file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     say = sub.add_parser("say", help="synthesize text to an audio file")
-    say.add_argument("text", help="the text to speak; - reads standard input (with --stream: as it arrives)")
+    say.add_argument("text", nargs="?", help="the text to speak; - reads standard input (with --stream: as it arrives)")
+    say.add_argument("--text-file", help="read the text to speak from this UTF-8 file (- for standard input)")
     _model_args(say)
     say.add_argument(
         "--voice",
@@ -88,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write audio as it is generated: a WAV file, or raw 16-bit PCM to stdout with -o -",
     )
     _chunk_args(say, ChunkSchedule.first, ChunkSchedule.rest)
+    _long_text_args(say)
     _sampling_args(say)
 
     voices = sub.add_parser(
@@ -198,15 +211,22 @@ def _load(args):
 
 def _say(args) -> int:
     from .audio import write_audio
+    from .subtitles import FORMATS
 
+    if args.subtitles and os.path.splitext(args.subtitles)[1].lower() not in FORMATS:
+        raise ValueError(f"--subtitles {args.subtitles!r} must end in .srt or .vtt")
+    if (args.text is None) == (args.text_file is None):
+        raise ValueError("give the text to speak, or --text-file FILE, but not both")
     engine = _load(args)
     sampling = {name: getattr(args, name) for name in SamplingOptions.names()}
     if args.greedy:
         sampling.update(do_sample=False, subtalker_dosample=False)
+    given = {name: getattr(args, name) for name in LongTextOptions.names() if getattr(args, name) is not None}
+    sampling["long_text"] = LongTextOptions(**given)
     if args.stream:
         return _say_streaming(engine, args, sampling)
     speech = engine.synthesize(
-        _utf8(sys.stdin.buffer.read(), 0, final=True) if args.text == "-" else args.text,
+        _text(args),
         voice=args.voice,
         language=args.language,
         instruct=args.instruct,
@@ -221,17 +241,47 @@ def _say(args) -> int:
         f"RTF {m.rtf:.2f}, seed {m.seed}",
         file=sys.stderr,
     )
+    _report_segments(args, speech.segments)
     return 0
 
 
-def _utf8(data: bytes, offset: int, final: bool, decoder=None) -> str:
-    """Standard input is UTF-8; anything else is refused with the offset of the first bad byte."""
+def _text(args, streaming: bool = False):
+    """The text to speak: the argument, standard input (`-`; with --stream as it arrives) or --text-file."""
+    if args.text_file is not None and args.text_file != "-":
+        with open(args.text_file, "rb") as file:
+            return _utf8(file.read(), 0, final=True, name=args.text_file)
+    if args.text == "-" or args.text_file == "-":
+        return _stdin_deltas() if streaming else _utf8(sys.stdin.buffer.read(), 0, final=True)
+    return args.text
+
+
+def _report_segments(args, segments) -> None:
+    """Write the subtitles asked for; warn when the runaway guard had to stop segments."""
+    if args.subtitles:
+        from .subtitles import write_subtitles
+
+        write_subtitles(args.subtitles, segments)
+        print(f"{args.subtitles}: {len(segments)} subtitles", file=sys.stderr)
+    stopped = [s for s in segments if s.finish_reason == "guard"]
+    if stopped:
+        where = ", ".join(f"{s.index + 1} at {s.start_s:.1f} s" for s in stopped[:5])
+        more = f" and {len(stopped) - 5} more" if len(stopped) > 5 else ""
+        print(
+            f"kazeia: warning: the runaway guard stopped {len(stopped)} of {len(segments)} segments "
+            f"(no end of speech within their frame budget, or a loop): {where}{more}",
+            file=sys.stderr,
+        )
+
+
+def _utf8(data: bytes, offset: int, final: bool, decoder=None, name: str = "standard input") -> str:
+    """Standard input (or the text file `name`) is UTF-8; anything else is refused with the offset of
+    the first bad byte."""
     try:
         return decoder.decode(data, final) if decoder is not None else data.decode("utf-8")
     except UnicodeDecodeError as error:
         bad = error.object[error.start : error.start + 1].hex() or "end"  # object: what the decoder held
         at = offset + len(data) - len(error.object) + error.start
-        raise ValueError(f"standard input is not valid UTF-8: byte 0x{bad} at offset {at}") from None
+        raise ValueError(f"{name} is not valid UTF-8: byte 0x{bad} at offset {at}") from None
 
 
 def _stdin_deltas():
@@ -250,7 +300,7 @@ def _say_streaming(engine, args, sampling) -> int:
 
     to_stdout = args.output == "-"
     stream = engine.stream(
-        _stdin_deltas() if args.text == "-" else args.text,
+        _text(args, streaming=True),
         voice=args.voice,
         language=args.language,
         instruct=args.instruct,
@@ -273,6 +323,7 @@ def _say_streaming(engine, args, sampling) -> int:
         f"in {m.wall_s:.2f} s, TTFB {m.ttfb_s * 1000:.0f} ms, RTF {m.rtf:.2f}, seed {m.seed}",
         file=sys.stderr,
     )
+    _report_segments(args, stream.segments)
     return 0
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import RequestError
-from .sampling import _option
+from .sampling import Described, _option
 
 # Words that end with a full stop without ending a sentence (compared in lowercase, without the stop).
 ABBREVIATIONS = frozenset(
@@ -53,7 +53,7 @@ _WORD_END = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
-class LongTextOptions:
+class LongTextOptions(Described):
     """How a whole text is split into segments and how each segment's generation is guarded."""
 
     segment: bool = _option(True, "split a text longer than segment_tokens (False: one generation)")
