@@ -158,7 +158,9 @@ class SpeechStream:
         self._stop = threading.Event()
         self._progress = _Progress()
         self._pending: list[torch.Tensor] = []  # frames waiting for their chunk
-        self._codes: list[torch.Tensor] = []  # frames already decoded
+        # The frames already decoded, one (n, 16) tensor a chunk (128 bytes a frame, not an object each).
+        self._codes: list[torch.Tensor] = []
+        self._frames = 0
         self._lookahead = None  # an item taken from the queue early, to mark the last chunk
         self._chunks = self._samples = 0
         self._ttfb: float | None = None
@@ -227,15 +229,17 @@ class SpeechStream:
     def _emit(self, is_last: bool) -> AudioChunk:
         frames, self._pending = self._pending, []
         if frames:
+            codes = torch.stack(frames)  # (n, 16)
             with torch.inference_mode():
-                audio = self._vocoder.decode_chunk(torch.stack(frames), self._state)  # (n * 1920,)
+                audio = self._vocoder.decode_chunk(codes, self._state)  # (n * 1920,)
             samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
+            self._codes.append(codes)
         else:  # the end became known only after the previous chunk went out
             samples = np.zeros(0, dtype=np.float32)
         chunk = AudioChunk(samples, self._samples, len(frames), is_last, tuple(self._ended))
         self.segments += self._ended
         self._ended = []
-        self._codes += frames
+        self._frames += len(frames)
         self._chunks += 1
         self._samples += len(samples)
         if self._ttfb is None:
@@ -249,7 +253,7 @@ class SpeechStream:
         wall = time.perf_counter() - self._started
         audio_s = self._samples / self._vocoder.cfg.sample_rate
         prefill = (self._progress.first_frame_at or self._started) - self._started
-        self.codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
+        self.codes = torch.cat(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
         rtf = wall / audio_s if audio_s else float("inf")
         live = {}
         if self._live is not None:
@@ -257,7 +261,7 @@ class SpeechStream:
             delay = None if first_text is None else self._first_audio_at - first_text
             live = {"text_wait_frames": self._live.waits, "first_text_to_audio_s": delay}
         ttfb = wall if self._ttfb is None else self._ttfb
-        self.metrics = Metrics(len(self._codes), audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live)
+        self.metrics = Metrics(self._frames, audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live)
         self.close()
 
     def close(self) -> None:
