@@ -1,14 +1,13 @@
 """The `kazeia` command: say, voices, serve, quantize, random-checkpoint.
 
-Thin: parse arguments, call the engine, write files, print figures. Bad input exits with status 2
-and one line on stderr.
+Thin: parse arguments, call the engine, write files, print figures (the work of `say`, streamed to
+its file with a progress bar and stopped cleanly by Ctrl-C, is in say.py). Bad input exits with
+status 2 and one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
-import contextlib
 import dataclasses
 import os
 import sys
@@ -92,12 +91,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="text layout: all text in the prompt (default for CustomVoice/VoiceDesign)",
     )
     say.add_argument(
-        "-o", "--output", default="out.wav", help="output file; format from the extension (default: %(default)s)"
+        "-o",
+        "--output",
+        default="out.wav",
+        help="audio file, written as it is generated, in the format of its extension (.wav, .flac, .mp3, "
+        ".ogg); - writes raw 16-bit PCM to standard output (default: %(default)s)",
     )
     say.add_argument(
         "--stream",
         action="store_true",
-        help="write audio as it is generated: a WAV file, or raw 16-bit PCM to stdout with -o -",
+        help="the first audio as soon as possible: standard input (-) read as it arrives, chunks of "
+        "--first-chunk-frames then --chunk-frames",
+    )
+    say.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr: segments, seconds of audio, ETA and RTF (default: when stderr is a terminal)",
     )
     _chunk_args(say, ChunkSchedule.first, ChunkSchedule.rest)
     _long_text_args(say)
@@ -210,7 +220,7 @@ def _load(args):
 
 
 def _say(args) -> int:
-    from .audio import write_audio
+    from .say import say
     from .subtitles import FORMATS
 
     if args.subtitles and os.path.splitext(args.subtitles)[1].lower() not in FORMATS:
@@ -223,108 +233,7 @@ def _say(args) -> int:
         sampling.update(do_sample=False, subtalker_dosample=False)
     given = {name: getattr(args, name) for name in LongTextOptions.names() if getattr(args, name) is not None}
     sampling["long_text"] = LongTextOptions(**given)
-    if args.stream:
-        return _say_streaming(engine, args, sampling)
-    speech = engine.synthesize(
-        _text(args),
-        voice=args.voice,
-        language=args.language,
-        instruct=args.instruct,
-        seed=args.seed,
-        non_streaming_mode=args.non_streaming_mode,
-        **sampling,
-    )
-    write_audio(args.output, speech.audio, speech.sample_rate)
-    m = speech.metrics
-    print(
-        f"{args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames) in {m.wall_s:.2f} s, "
-        f"RTF {m.rtf:.2f}, seed {m.seed}",
-        file=sys.stderr,
-    )
-    _report_segments(args, speech.segments)
-    return 0
-
-
-def _text(args, streaming: bool = False):
-    """The text to speak: the argument, standard input (`-`; with --stream as it arrives) or --text-file."""
-    if args.text_file is not None and args.text_file != "-":
-        with open(args.text_file, "rb") as file:
-            return _utf8(file.read(), 0, final=True, name=args.text_file)
-    if args.text == "-" or args.text_file == "-":
-        return _stdin_deltas() if streaming else _utf8(sys.stdin.buffer.read(), 0, final=True)
-    return args.text
-
-
-def _report_segments(args, segments) -> None:
-    """Write the subtitles asked for; warn when the runaway guard had to stop segments."""
-    if args.subtitles:
-        from .subtitles import write_subtitles
-
-        write_subtitles(args.subtitles, segments)
-        print(f"{args.subtitles}: {len(segments)} subtitles", file=sys.stderr)
-    stopped = [s for s in segments if s.finish_reason == "guard"]
-    if stopped:
-        where = ", ".join(f"{s.index + 1} at {s.start_s:.1f} s" for s in stopped[:5])
-        more = f" and {len(stopped) - 5} more" if len(stopped) > 5 else ""
-        print(
-            f"kazeia: warning: the runaway guard stopped {len(stopped)} of {len(segments)} segments "
-            f"(no end of speech within their frame budget, or a loop): {where}{more}",
-            file=sys.stderr,
-        )
-
-
-def _utf8(data: bytes, offset: int, final: bool, decoder=None, name: str = "standard input") -> str:
-    """Standard input (or the text file `name`) is UTF-8; anything else is refused with the offset of
-    the first bad byte."""
-    try:
-        return decoder.decode(data, final) if decoder is not None else data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        bad = error.object[error.start : error.start + 1].hex() or "end"  # object: what the decoder held
-        at = offset + len(data) - len(error.object) + error.start
-        raise ValueError(f"{name} is not valid UTF-8: byte 0x{bad} at offset {at}") from None
-
-
-def _stdin_deltas():
-    """Standard input as text deltas, each as soon as it arrives (e.g. piped from an LLM CLI)."""
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-    while data := os.read(sys.stdin.fileno(), 4096):
-        if text := _utf8(data, offset, False, decoder):
-            yield text
-        offset += len(data)
-    if text := _utf8(b"", offset, True, decoder):
-        yield text
-
-
-def _say_streaming(engine, args, sampling) -> int:
-    from .audio import open_wav_writer, pcm16
-
-    to_stdout = args.output == "-"
-    stream = engine.stream(
-        _text(args, streaming=True),
-        voice=args.voice,
-        language=args.language,
-        instruct=args.instruct,
-        seed=args.seed,
-        non_streaming_mode=args.non_streaming_mode,
-        first_chunk_frames=args.first_chunk_frames,
-        chunk_frames=args.chunk_frames,
-        **sampling,
-    )
-    with stream, contextlib.nullcontext(sys.stdout.buffer) if to_stdout else open_wav_writer(args.output) as sink:
-        for chunk in stream:
-            if to_stdout:
-                sink.write(pcm16(chunk.audio))
-                sink.flush()
-            else:
-                sink.write(chunk.audio)
-    m = stream.metrics
-    print(
-        f"{'stdout' if to_stdout else args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames, {m.chunks} chunks) "
-        f"in {m.wall_s:.2f} s, TTFB {m.ttfb_s * 1000:.0f} ms, RTF {m.rtf:.2f}, seed {m.seed}",
-        file=sys.stderr,
-    )
-    _report_segments(args, stream.segments)
-    return 0
+    return say(engine, args, sampling)
 
 
 def _voices(args) -> int:

@@ -1,7 +1,8 @@
 """Subtitles from a long text's segments: SubRip (.srt) and WebVTT (.vtt).
 
 Each segment is one cue, from its first to one past its last sample (exact: segments end on frame
-boundaries), in milliseconds rounded down. Non-goals: reflowing text into lines, styling.
+boundaries), in milliseconds rounded down; a segment with no audio (one stopped before its first
+frame) has none. Non-goals: reflowing text into lines, styling.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def _clock(sample: int, rate: int, separator: str) -> str:
 
 def _cues(segments: Sequence[Segment], separator: str, numbered: bool) -> str:
     cues = []
-    for n, segment in enumerate(segments, 1):
+    for n, segment in enumerate((s for s in segments if s.end_sample > s.start_sample), 1):
         start = _clock(segment.start_sample, segment.sample_rate, separator)
         end = _clock(segment.end_sample, segment.sample_rate, separator)
         text = "\n".join(line.strip() for line in segment.text.strip().splitlines() if line.strip())

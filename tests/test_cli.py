@@ -234,3 +234,27 @@ def test_say_a_text_file_with_subtitles_and_a_guard_warning(tiny_checkpoints, tm
     assert "must end in .srt or .vtt" in capsys.readouterr().err
     assert main(argv + ["Also a text."]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_progress_bar_on_request_and_none_by_default(tiny_checkpoints, tmp_path, capsys):
+    """--progress draws a bar over the segments on stderr, with the audio seconds and the RTF;
+    without it (stderr is no terminal here) and with --no-progress, stderr has only the summary.
+    The FLAC file, written chunk by chunk, holds the engine's audio."""
+    from kazeia import LongTextOptions
+
+    text = "The first sentence is here. A second one follows it! Un autre paragraphe. 最后一句话。"
+    model, out = str(tiny_checkpoints["0.6B-custom"]), tmp_path / "bar.flac"
+    argv = ["say", text, "--model", model, "--voice", "ryan", "--seed", "4", "-o", str(out), "--max-new-tokens", "100"]
+    argv += ["--segment-tokens", "8", "--floor-frames", "3", "--frames-per-token", "1"]
+    options = LongTextOptions(segment_tokens=8, floor_frames=3, frames_per_token=1)
+    speech = Engine.load(model).synthesize(text, voice="ryan", seed=4, max_new_tokens=100, long_text=options)
+    n = len(speech.segments)
+    assert main(argv + ["--progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"{n}/{n} [" in err and "segment/s" in err and f"{speech.metrics.audio_s:.1f} s audio, RTF " in err
+    audio, rate = sf.read(out, dtype="float32")
+    assert rate == 24000 and np.max(np.abs(audio - speech.audio)) < 1 / 16000
+    for quiet in ([], ["--no-progress"]):
+        assert main(argv + quiet) == 0
+        err = capsys.readouterr().err
+        assert "segment/s" not in err and "\r" not in err and err.startswith(f"{out}: "), err

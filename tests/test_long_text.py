@@ -1,7 +1,17 @@
-"""Long text: segmentation, seamless joins, per-segment seeds, the runaway guard, timestamps."""
+"""Long text: segmentation, seamless joins, per-segment seeds, the runaway guard, timestamps, and
+`kazeia say` on a whole chapter (flat memory, Ctrl-C)."""
+
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+import soundfile as sf
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -313,3 +323,106 @@ def test_subtitles_formats(engines):
         "WEBVTT\n\n00:00:00.000 --> 00:00:01.600\nHello there.\n\n"
         "00:00:01.600 --> 01:02:05.000\nSecond line\nwith a break.\n\n"
     )
+    stopped = Segment(2, "Never started.", 24000 * 3725 + 12, 24000 * 3725 + 12, "cancelled", 24000)
+    assert srt(segments + [stopped]) == srt(segments)  # no audio, no cue
+
+
+def _chapter(chars: int) -> str:
+    """A multilingual text of about `chars` characters: the corpus's paragraphs, over and over."""
+    paragraphs = [CORPUS[language] for language in sorted(CORPUS) if language != "paragraphs"]
+    text, n = "", 0
+    while len(text) < chars:
+        text += paragraphs[n % len(paragraphs)] + ("\n\n" if n % 3 == 2 else " ")
+        n += 1
+    return text
+
+
+def _say(tiny_checkpoints, tmp_path, chars: int, *flags: str) -> tuple[subprocess.Popen, list[str]]:
+    """`kazeia say` started on a chapter of `chars` characters, each segment held to 24 frames (random
+    weights miss EOS: the guard ends them), its stderr into a file; (the process, its command)."""
+    source = tmp_path / "chapter.txt"
+    source.write_text(_chapter(chars), encoding="utf-8")
+    cmd = [sys.executable, "-m", "kazeia", "say", "--text-file", str(source), "--model",
+           str(tiny_checkpoints["0.6B-custom"]), "--voice", "ryan", "--seed", "2", "--floor-frames", "24",
+           "--frames-per-token", "0", *flags]  # fmt: skip
+    with open(tmp_path / "stderr.txt", "wb") as err:
+        return subprocess.Popen(cmd, stderr=err), cmd
+
+
+def _rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):  # it has just ended
+        return None
+
+
+def _valid_wav(path) -> np.ndarray:
+    """The samples of a mono 16-bit WAV whose header says exactly what the file holds."""
+    data = path.read_bytes()
+    assert data[:4] == b"RIFF" and struct.unpack("<I", data[4:8])[0] == len(data) - 8
+    at = data.index(b"data")
+    assert struct.unpack("<I", data[at + 4 : at + 8])[0] == len(data) - at - 8  # the data chunk's size
+    audio, rate = sf.read(path, dtype="int16")
+    assert rate == 24000 and sf.info(path).frames == len(audio) == (len(data) - at - 8) // 2
+    return audio
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a process's VmRSS from /proc")
+def test_a_chapter_streams_to_its_file_in_flat_memory(tiny_checkpoints, tmp_path):
+    """20,000 multilingual characters through `kazeia say --text-file` with a progress bar and
+    subtitles: the WAV grows as the audio is made while the process's resident memory stays flat.
+
+    Sampled from outside every 20 ms against the file's size: from the first quarter of the audio
+    to the last, the median RSS may grow by at most a tenth of the audio's size as float32. Keeping
+    the audio in memory (as float32 chunks, let alone joined at the end) would move it by three
+    quarters of that size (from 1/8 to 7/8 of the audio); what may legitimately grow, the codes kept
+    for `stream.codes` (128 bytes a frame against 7680 of audio) and the list of segments, stays far
+    below the bound. Medians, so that one transient allocation (the decode of the last, shorter
+    chunk, a shape not seen before) is not counted as growth."""
+    wav, subtitles = tmp_path / "chapter.wav", tmp_path / "chapter.srt"
+    proc, _ = _say(tiny_checkpoints, tmp_path, 20_000, "-o", str(wav), "--subtitles", str(subtitles), "--progress")
+    samples = []  # (bytes of audio in the file, RSS)
+    while proc.poll() is None:
+        rss = _rss_bytes(proc.pid)
+        if rss is not None and wav.exists():
+            samples.append((wav.stat().st_size - 44, rss))
+        time.sleep(0.02)
+    err = (tmp_path / "stderr.txt").read_text(encoding="utf-8")
+    assert proc.returncode == 0, err
+    audio = _valid_wav(wav)
+    pcm_bytes = 2 * len(audio)
+    first = [rss for size, rss in samples if 0 < size <= pcm_bytes // 4]
+    last = [rss for size, rss in samples if size >= pcm_bytes * 3 // 4]
+    assert len(first) >= 5 and len(last) >= 5, (len(first), len(last))  # it wrote as it went, not at the end
+    float32_bytes = 4 * len(audio)
+    assert float32_bytes > 15 << 20  # enough audio for keeping it to show
+    growth = float(np.median(last) - np.median(first))
+    assert growth < float32_bytes / 10, (growth, float32_bytes)
+    segments = int(re.search(r"\((\d+) frames, (\d+) segments\)", err).group(2))
+    assert f"{segments}/{segments}" in err and "RTF" in err  # the progress bar's last state
+    assert subtitles.read_text(encoding="utf-8").count(" --> ") == segments
+    stopped = re.search(rf"runaway guard stopped (\d+) of {segments} segments", err)
+    assert stopped and int(stopped.group(1)) >= segments // 2  # random weights: the guard ends most
+
+
+def test_ctrl_c_keeps_a_valid_file_of_what_was_spoken(tiny_checkpoints, tmp_path):
+    """SIGINT once the first audio is in the file: generation stops within a frame, the WAV's
+    header holds its exact size, the subtitles end where the audio does, exit status 130."""
+    wav, subtitles = tmp_path / "cut.wav", tmp_path / "cut.vtt"
+    proc, _ = _say(tiny_checkpoints, tmp_path, 20_000, "-o", str(wav), "--subtitles", str(subtitles))
+    deadline = time.monotonic() + 120
+    while not (wav.exists() and wav.stat().st_size > 44) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130
+    err = (tmp_path / "stderr.txt").read_text(encoding="utf-8")
+    assert err.count("\n") == 1 and err.startswith("kazeia: interrupted: ") and "Traceback" not in err, err
+    audio = _valid_wav(wav)
+    assert len(audio) > 0 and len(audio) % 1920 == 0
+    assert len(audio) < 20_000 * 1920  # far from the whole chapter (about 114 segments of 24 frames)
+    cues = re.findall(r"--> (\d\d):(\d\d):(\d\d)\.(\d{3})", subtitles.read_text(encoding="utf-8"))
+    h, m, s_, ms = map(int, cues[-1])
+    assert ((h * 60 + m) * 60 + s_) * 1000 + ms == len(audio) * 1000 // 24000
+    spoken = int(re.search(r"\((\d+) of \d+ segments\)", err).group(1))
+    assert len(cues) == spoken
