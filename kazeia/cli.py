@@ -154,7 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
     for flag, default, kind, help in (
         ("--queue-size", server["queue_size"], int, "utterances waiting before 503"),
-        ("--max-input-chars", limits["max_input_chars"], int, "longest input text"),
+        (
+            "--max-input-chars",
+            limits["max_input_chars"],
+            int,
+            "longest input text in characters, OpenAI's by default; more also raises the body limit "
+            "to 12 bytes a character",
+        ),
         ("--max-new-tokens", limits["max_new_tokens"], int, "talker tokens per utterance at most"),
         (
             "--voices-dir",
@@ -169,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("--max-voices", limits["max_voices"], int, "Base checkpoints: saved voices at most"),
     ):
         srv.add_argument(flag, type=kind, default=default, help=f"{help} (default: %(default)s)")
+    srv.add_argument(
+        "--max-input-tokens",
+        type=int,
+        help=f"longest input text in text tokens, spoken in segments (default: the larger of "
+        f"{limits['max_input_tokens']} and --max-input-chars)",
+    )
     _chunk_args(srv, server["first_chunk_frames"], server["chunk_frames"])
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -260,13 +272,29 @@ def _serve(args) -> int:
         missing = f"{e.name} is missing"
         print(f"kazeia: error: serve needs the server extra ({missing}): pip install 'kazeia[server]'", file=sys.stderr)
         return 2
+    config = _server_config(args)  # checked before the model loads
+    serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _server_config(args) -> ServerConfig:
+    """The settings of `kazeia serve` from its flags (checked here, before the model loads)."""
     name = args.served_model_name or (
         os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model
     )
+    default = _defaults(Limits)
+    tokens = args.max_input_tokens
+    if tokens is None:
+        tokens = max(default["max_input_tokens"], args.max_input_chars)
     limits = Limits(
-        max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens, max_voices=args.max_voices
+        max_input_chars=args.max_input_chars,
+        max_input_tokens=tokens,
+        # Room for an input of that many characters, each JSON-escaped (12 bytes: a surrogate pair).
+        max_body_bytes=max(default["max_body_bytes"], 12 * args.max_input_chars),
+        max_new_tokens=args.max_new_tokens,
+        max_voices=args.max_voices,
     )
-    config = ServerConfig(
+    return ServerConfig(
         name,
         args.queue_size,
         args.first_chunk_frames,
@@ -281,8 +309,6 @@ def _serve(args) -> int:
         max_connections=args.max_connections,
         ws_idle_s=args.ws_idle_timeout,
     )
-    serve(_load(args), config, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
 def _create_voice(args) -> int:
