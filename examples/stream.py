@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from kazeia import Engine
-from kazeia.audio import open_wav_writer
+from kazeia.audio import open_audio_writer
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     engine = Engine.load(args.model)
     stream = engine.stream(args.text, voice=args.voice, seed=args.seed, max_new_tokens=args.max_new_tokens)
     if args.output:
-        with stream, open_wav_writer(args.output) as wav:
+        with stream, open_audio_writer(args.output) as wav:
             for chunk in stream:  # the first chunk comes after one frame (80 ms of audio)
                 wav.write(chunk.audio)
     else:

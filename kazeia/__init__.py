@@ -4,12 +4,16 @@ from .config import CheckpointError
 from .engine import SAMPLE_RATE, Engine, Metrics, Speech
 from .errors import RequestError
 from .sampling import SamplingOptions
+from .segment import LongTextOptions
+from .streaming import Segment
 from .voices import Voice
 
 __all__ = [
     "Engine",
     "Speech",
     "Metrics",
+    "Segment",
+    "LongTextOptions",
     "SamplingOptions",
     "Voice",
     "CheckpointError",

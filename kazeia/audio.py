@@ -32,32 +32,26 @@ def pcm16(audio: np.ndarray) -> bytes:
     return np.round(scaled).astype("<i2").tobytes()
 
 
-def open_wav_writer(path: str | Path, sample_rate: int = SAMPLE_RATE):
-    """A soundfile writer for audio that arrives in pieces; the header is complete once it is closed."""
-    import soundfile as sf
-
-    try:
-        return sf.SoundFile(str(path), "w", samplerate=sample_rate, channels=1, subtype="PCM_16", format="WAV")
-    except (sf.LibsndfileError, TypeError, ValueError) as e:
-        raise ValueError(f"cannot write audio to {path}: {e}") from None
-
-
-def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
-    """Write mono float audio in [-1, 1]; the format follows the extension (16-bit PCM for .wav)."""
+def open_audio_writer(path: str | Path, sample_rate: int = SAMPLE_RATE):
+    """A soundfile writer for mono audio that arrives in pieces, each written to the file at once;
+    the format follows the extension (WAV without one; 16-bit PCM for WAV and FLAC). The header
+    (WAV sizes, FLAC length) is complete once the writer is closed, however the writing ended."""
     import soundfile as sf
 
     path = Path(path)
     subtype = "PCM_16" if path.suffix.lower() in (".wav", ".flac", "") else None
     try:
-        sf.write(
-            str(path),
-            np.asarray(audio, dtype=np.float32),
-            sample_rate,
-            subtype=subtype,
-            format=None if path.suffix else "WAV",
+        return sf.SoundFile(
+            str(path), "w", samplerate=sample_rate, channels=1, subtype=subtype, format=None if path.suffix else "WAV"
         )
     except (sf.LibsndfileError, TypeError, ValueError) as e:
         raise ValueError(f"cannot write audio to {path}: {e}") from None
+
+
+def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+    """Write mono float audio in [-1, 1] in one piece (`open_audio_writer`)."""
+    with open_audio_writer(path, sample_rate) as file:
+        file.write(np.asarray(audio, dtype=np.float32))
 
 
 def load_reference_audio(source, sample_rate: int = SAMPLE_RATE, max_seconds: float = MAX_REFERENCE_S) -> np.ndarray:

@@ -1,20 +1,20 @@
 """The `kazeia` command: say, voices, serve, wyoming, quantize, random-checkpoint.
 
-Thin: parse arguments, call the engine, write files, print figures. Bad input exits with status 2
-and one line on stderr.
+Thin: parse arguments, call the engine, write files, print figures (the work of `say`, streamed to
+its file with a progress bar and stopped cleanly by Ctrl-C, is in say.py). Bad input exits with
+status 2 and one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
-import contextlib
 import dataclasses
 import os
 import sys
 import time
 
 from .sampling import SamplingOptions
+from .segment import LongTextOptions
 from .server.config import Limits, ServerConfig, WyomingSettings
 from .streaming import ChunkSchedule
 
@@ -46,19 +46,29 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _sampling_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per `SamplingOptions` field (--top-k for top_k) but `skip`, with its description;
-    unset flags leave the checkpoint's default."""
-    g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
-    for name, (kind, help) in SamplingOptions.describe().items():
+def _option_flags(group, options, skip: tuple[str, ...] = ()) -> None:
+    """One flag per field of an options dataclass but `skip` (--top-k for top_k; a switch gets
+    --x/--no-x), with its description; unset flags leave the default."""
+    for name, (kind, help) in options.describe().items():
         if name in skip:
             continue
         flag = "--" + name.replace("_", "-")
         if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            g.add_argument(flag, type=kind, help=help)
+            group.add_argument(flag, type=kind, help=help)
+
+
+def _sampling_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    g = p.add_argument_group("sampling (defaults from the checkpoint's generation_config.json)")
+    _option_flags(g, SamplingOptions, skip)
     g.add_argument("--greedy", action="store_true", help="shorthand for --no-do-sample --no-subtalker-dosample")
+
+
+def _long_text_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("long text (segments, runaway guard, subtitles)")
+    _option_flags(g, LongTextOptions)
+    g.add_argument("--subtitles", help="also write the segments' timestamps as subtitles: a .srt or .vtt file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     say = sub.add_parser("say", help="synthesize text to an audio file")
-    say.add_argument("text", help="the text to speak; - reads standard input (with --stream: as it arrives)")
+    say.add_argument("text", nargs="?", help="the text to speak; - reads standard input (with --stream: as it arrives)")
+    say.add_argument("--text-file", help="read the text to speak from this UTF-8 file (- for standard input)")
     _model_args(say)
     say.add_argument(
         "--voice",
@@ -82,14 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="text layout: all text in the prompt (default for CustomVoice/VoiceDesign)",
     )
     say.add_argument(
-        "-o", "--output", default="out.wav", help="output file; format from the extension (default: %(default)s)"
+        "-o",
+        "--output",
+        default="out.wav",
+        help="audio file, written as it is generated, in the format of its extension (.wav, .flac, .mp3, "
+        ".ogg); - writes raw 16-bit PCM to standard output (default: %(default)s)",
     )
     say.add_argument(
         "--stream",
         action="store_true",
-        help="write audio as it is generated: a WAV file, or raw 16-bit PCM to stdout with -o -",
+        help="the first audio as soon as possible: standard input (-) read as it arrives, chunks of "
+        "--first-chunk-frames then --chunk-frames",
+    )
+    say.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr: segments, seconds of audio, ETA and RTF (default: when stderr is a terminal)",
     )
     _chunk_args(say, ChunkSchedule.first, ChunkSchedule.rest)
+    _long_text_args(say)
     _sampling_args(say)
 
     voices = sub.add_parser(
@@ -185,7 +208,13 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
     live = "live WebSocket" if websocket else "streamed"
     flags = [
         ("--queue-size", server["queue_size"], int, "utterances waiting before 503"),
-        ("--max-input-chars", limits["max_input_chars"], int, "longest input text"),
+        (
+            "--max-input-chars",
+            limits["max_input_chars"],
+            int,
+            "longest input text in characters, OpenAI's by default; more also raises the body limit "
+            "to 12 bytes a character",
+        ),
         ("--max-new-tokens", limits["max_new_tokens"], int, "talker tokens per utterance at most"),
         (
             "--voices-dir",
@@ -202,6 +231,12 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
         flags.append(("--ws-idle-timeout", server["ws_idle_s"], float, "seconds an idle WebSocket stays open"))
     for flag, default, kind, help in flags:
         p.add_argument(flag, type=kind, default=default, help=f"{help} (default: %(default)s)")
+    p.add_argument(
+        "--max-input-tokens",
+        type=int,
+        help=f"longest input text in text tokens, spoken in segments (default: the larger of "
+        f"{limits['max_input_tokens']} and --max-input-chars)",
+    )
     _chunk_args(p, server["first_chunk_frames"], server["chunk_frames"])
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -245,81 +280,18 @@ def _sampling(args) -> dict:
 
 
 def _say(args) -> int:
-    from .audio import write_audio
+    from .say import say
+    from .subtitles import FORMATS
 
+    if args.subtitles and os.path.splitext(args.subtitles)[1].lower() not in FORMATS:
+        raise ValueError(f"--subtitles {args.subtitles!r} must end in .srt or .vtt")
+    if (args.text is None) == (args.text_file is None):
+        raise ValueError("give the text to speak, or --text-file FILE, but not both")
     engine = _load(args)
     sampling = _sampling(args)
-    if args.stream:
-        return _say_streaming(engine, args, sampling)
-    speech = engine.synthesize(
-        _utf8(sys.stdin.buffer.read(), 0, final=True) if args.text == "-" else args.text,
-        voice=args.voice,
-        language=args.language,
-        instruct=args.instruct,
-        seed=args.seed,
-        non_streaming_mode=args.non_streaming_mode,
-        **sampling,
-    )
-    write_audio(args.output, speech.audio, speech.sample_rate)
-    m = speech.metrics
-    print(
-        f"{args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames) in {m.wall_s:.2f} s, "
-        f"RTF {m.rtf:.2f}, seed {m.seed}",
-        file=sys.stderr,
-    )
-    return 0
-
-
-def _utf8(data: bytes, offset: int, final: bool, decoder=None) -> str:
-    """Standard input is UTF-8; anything else is refused with the offset of the first bad byte."""
-    try:
-        return decoder.decode(data, final) if decoder is not None else data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        bad = error.object[error.start : error.start + 1].hex() or "end"  # object: what the decoder held
-        at = offset + len(data) - len(error.object) + error.start
-        raise ValueError(f"standard input is not valid UTF-8: byte 0x{bad} at offset {at}") from None
-
-
-def _stdin_deltas():
-    """Standard input as text deltas, each as soon as it arrives (e.g. piped from an LLM CLI)."""
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
-    while data := os.read(sys.stdin.fileno(), 4096):
-        if text := _utf8(data, offset, False, decoder):
-            yield text
-        offset += len(data)
-    if text := _utf8(b"", offset, True, decoder):
-        yield text
-
-
-def _say_streaming(engine, args, sampling) -> int:
-    from .audio import open_wav_writer, pcm16
-
-    to_stdout = args.output == "-"
-    stream = engine.stream(
-        _stdin_deltas() if args.text == "-" else args.text,
-        voice=args.voice,
-        language=args.language,
-        instruct=args.instruct,
-        seed=args.seed,
-        non_streaming_mode=args.non_streaming_mode,
-        first_chunk_frames=args.first_chunk_frames,
-        chunk_frames=args.chunk_frames,
-        **sampling,
-    )
-    with stream, contextlib.nullcontext(sys.stdout.buffer) if to_stdout else open_wav_writer(args.output) as sink:
-        for chunk in stream:
-            if to_stdout:
-                sink.write(pcm16(chunk.audio))
-                sink.flush()
-            else:
-                sink.write(chunk.audio)
-    m = stream.metrics
-    print(
-        f"{'stdout' if to_stdout else args.output}: {m.audio_s:.2f} s of audio ({m.frames} frames, {m.chunks} chunks) "
-        f"in {m.wall_s:.2f} s, TTFB {m.ttfb_s * 1000:.0f} ms, RTF {m.rtf:.2f}, seed {m.seed}",
-        file=sys.stderr,
-    )
-    return 0
+    given = {name: getattr(args, name) for name in LongTextOptions.names() if getattr(args, name) is not None}
+    sampling["long_text"] = LongTextOptions(**given)
+    return say(engine, args, sampling)
 
 
 def _voices(args) -> int:
@@ -344,7 +316,7 @@ def _serve(args) -> int:
         )
     except ImportError as e:
         return _missing_extra("serve", "server", e)
-    config = _server_config(
+    config = _server_config(  # checked before the model loads
         args,
         args.served_model_name,
         model_aliases=(*_defaults(ServerConfig)["model_aliases"], *args.model_alias),
@@ -365,10 +337,20 @@ def _missing_extra(command: str, extra: str, error: ImportError) -> int:
 
 
 def _server_config(args, name: str | None, **only) -> ServerConfig:
-    """The settings `kazeia serve` and `kazeia wyoming` share, from their flags; `only`: the others."""
+    """The settings `kazeia serve` and `kazeia wyoming` share, from their flags (checked here, before
+    the model loads); `only`: the others."""
     name = name or (os.path.basename(os.path.normpath(args.model)) if os.path.isdir(args.model) else args.model)
+    default = _defaults(Limits)
+    tokens = args.max_input_tokens
+    if tokens is None:
+        tokens = max(default["max_input_tokens"], args.max_input_chars)
     limits = Limits(
-        max_input_chars=args.max_input_chars, max_new_tokens=args.max_new_tokens, max_voices=args.max_voices
+        max_input_chars=args.max_input_chars,
+        max_input_tokens=tokens,
+        # Room for an input of that many characters, each JSON-escaped (12 bytes: a surrogate pair).
+        max_body_bytes=max(default["max_body_bytes"], 12 * args.max_input_chars),
+        max_new_tokens=args.max_new_tokens,
+        max_voices=args.max_voices,
     )
     return ServerConfig(
         name,

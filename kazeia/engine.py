@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -33,10 +33,12 @@ from .errors import RequestError
 from .live import live_trailing
 from .model import TTSModel
 from .prepared import prepared_dtype
-from .prompt import Prompt, build_prompt, needs_whole_text
-from .request import Request, Rules, TextSource, bounded, build_request, ref_text_ids
+from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, Prompt, build_prompt, needs_whole_text
+from .request import Part, Request, Rules, TextSource, bounded, build_request, ref_text_ids
+from .runaway import CANCELLED, Guard, overall
 from .sampling import SamplingKwargs, SamplingOptions
-from .streaming import ChunkSchedule, Metrics, SpeechStream
+from .segment import LongTextOptions
+from .streaming import ChunkSchedule, Metrics, Segment, SpeechStream
 from .text import TextTokenizer
 from .vocoder import OFFLINE_BLOCK, Vocoder
 from .voices import Cloner, Priming, Voice
@@ -50,6 +52,12 @@ class Speech:
     sample_rate: int  # Hz (24000)
     codes: np.ndarray  # (frames, 16) int64 speech-tokenizer codes
     metrics: Metrics
+    segments: tuple[Segment, ...] = ()  # the text's segments in order, with their exact samples and finish reasons
+
+    @property
+    def finish_reason(self) -> str:
+        """Why the utterance ended: the most serious of its segments' reasons (kazeia/runaway.py)."""
+        return overall([s.finish_reason for s in self.segments])
 
 
 class Engine:
@@ -189,9 +197,15 @@ class Engine:
         seed: int | None = None,
         non_streaming_mode: bool | None = None,
         reference_chunked_decode: bool = False,
+        long_text: LongTextOptions | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> Speech:
         """Synthesize `text`; `sampling` takes the `SamplingOptions` fields (reference names).
+
+        A text longer than `long_text.segment_tokens` tokens is spoken in segments, one after the
+        other, as one utterance (kazeia/segment.py); every segment is held to a frame budget by the
+        runaway guard (kazeia/runaway.py). `speech.segments` says where each one lies and why it
+        ended; `LongTextOptions(segment=False, guard=False)` turns both off.
 
         The audio is one exact causal decode of all codes, made side by side with the generation:
         the vocoder decodes each block of OFFLINE_BLOCK frames in this thread while the next ones
@@ -208,12 +222,18 @@ class Engine:
         if not isinstance(text, str):
             raise RequestError("text", f"text must be a string, got {type(text).__name__}")
         start = time.perf_counter()
-        request = self.request(text, voice, language, instruct, seed, non_streaming_mode, **sampling)
+        request = self.request(
+            text, voice, language, instruct, seed, non_streaming_mode, long_text=long_text, **sampling
+        )
         ref = request.cond.reference_codes
         if reference_chunked_decode:  # all frames first, then the reference's decode
             frames: list[torch.Tensor] = []
-            for frame in self.frames(request):
-                frames.append(frame)
+            segments: list[Segment] = []
+            for item in self.timeline(request):
+                if isinstance(item, Segment):
+                    segments.append(item)
+                    continue
+                frames.append(item)
                 if len(frames) == 1:
                     prefill_s = time.perf_counter() - start
             codes = torch.stack(frames)
@@ -227,14 +247,17 @@ class Engine:
                 pieces = [chunk.audio for chunk in stream]
             assert stream.metrics is not None and stream.codes is not None  # the last chunk is out
             codes, prefill_s = torch.from_numpy(stream.codes), stream.metrics.prefill_s
+            segments = stream.segments
             if ref is not None:  # the reference samples the reference package's cut keeps, if any
                 pieces.insert(0, self._priming.lead(ref, codes.shape[0]))
             audio = np.concatenate(pieces).astype(np.float32, copy=False)
+        lead = len(audio) - codes.shape[0] * self.vocoder.cfg.samples_per_frame  # ICL: reference samples kept
+        segments = [_shifted(segment, lead) for segment in segments]
         wall = time.perf_counter() - start
         rate = self.vocoder.cfg.sample_rate
         audio_s = len(audio) / rate
         metrics = Metrics(codes.shape[0], audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed)
-        return Speech(audio, rate, codes.cpu().numpy(), metrics)
+        return Speech(audio, rate, codes.cpu().numpy(), metrics, tuple(segments))
 
     def stream(
         self,
@@ -249,9 +272,11 @@ class Engine:
         text_timeout: float | None = 30.0,
         should_stop: Callable[[], bool] | None = None,
         text_deadline: float | None = None,
+        long_text: LongTextOptions | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> SpeechStream:
-        """Like `synthesize`, but yields `AudioChunk`s while generating.
+        """Like `synthesize`, but yields `AudioChunk`s while generating (a long text's segments in
+        one stream: each chunk lists the segments that ended by its end; `stream.segments` all).
 
         The first chunk holds `first_chunk_frames` frames (80 ms each), later ones `chunk_frames`.
         The schedule changes only latency and overhead: the codes equal `synthesize`'s for the same
@@ -278,6 +303,7 @@ class Engine:
             non_streaming_mode,
             text_timeout=text_timeout,
             text_deadline=text_deadline,
+            long_text=long_text,
             **sampling,
         )
         return self.stream_request(request, schedule, should_stop, started)
@@ -293,7 +319,7 @@ class Engine:
         ref = request.cond.reference_codes
         state = None if ref is None else self._priming.state(ref)
         return SpeechStream(
-            lambda stop: self.frames(request, _either(stop, should_stop)),
+            lambda stop: self.timeline(request, _either(stop, should_stop)),
             self.vocoder,
             schedule or ChunkSchedule(),
             request.seed,
@@ -313,6 +339,7 @@ class Engine:
         text_timeout: float | None = 30.0,
         text_deadline: float | None = None,
         position_limit: int | None = None,
+        long_text: LongTextOptions | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> Request:
         """Validate a call's arguments and resolve names to ids (kazeia/request.py): a `Request`
@@ -325,6 +352,7 @@ class Engine:
             text_timeout,
             text_deadline,
             position_limit,
+            long_text,
             voice=voice,
             language=language,
             instruct=instruct,
@@ -334,18 +362,54 @@ class Engine:
         )
 
     def frames(self, request: Request, should_stop: Callable[[], bool] | None = None) -> Iterator[torch.Tensor]:
-        """The frame generator for a validated request: yields (16,) int64 code frames. Live text
-        is waited for here: the first token, or all of the text for layouts that need it whole."""
-        prompt = self._prompt(request, should_stop)
-        if prompt is None:  # stopped while waiting for live text
-            return
-        generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        yield from generate.frames(self.model, prompt, request.options, generator, should_stop)
+        """The frame generator for a validated request: yields (16,) int64 code frames, those of
+        all its segments one after the other. Live text is waited for here: the first token, or all
+        of the text for layouts that need it whole."""
+        for item in self.timeline(request, should_stop):
+            if isinstance(item, torch.Tensor):
+                yield item
 
-    def _prompt(self, request: Request, should_stop: Callable[[], bool] | None) -> Prompt | None:
-        if request.live is None:
-            return build_prompt(self.model, request.text_ids, request.cond, request.non_streaming_mode)
+    def timeline(
+        self, request: Request, should_stop: Callable[[], bool] | None = None
+    ) -> Iterator[torch.Tensor | Segment]:
+        """`frames`, each segment's last frame followed by its `Segment`. Segment k speaks with its
+        own seed (request.Part), its own talker cache and prompt: the same voice, and with
+        `carry_context` the previous segment's text and frames as in-context reference (a segment the
+        guard found looping is not continued). A segment the caller stops ends the utterance."""
+        rate, per_frame = self.vocoder.cfg.sample_rate, self.vocoder.cfg.samples_per_frame
+        start, previous = 0, None
+        for index, part in enumerate(request.parts or (None,)):
+            made: list[torch.Tensor] = []
+            guard = None
+            if part is None:  # live text: one segment, as long as max_new_tokens allows
+                reason = yield from _kept(self._live_frames(request, should_stop), made)
+                text = request.live.text if request.live is not None else ""
+            else:
+                cond = _continued(request, previous)
+                prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
+                generator = torch.Generator(device=self.device).manual_seed(part.seed)
+                guard = Guard(part.budget, request.long_text.loop_frames) if request.guarded else None
+                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard)
+                reason, text = (yield from _kept(frames, made)), part.text
+            end = start + len(made) * per_frame
+            yield Segment(index, text, start, end, reason, rate)
+            if reason == CANCELLED:
+                return
+            looped = guard is not None and guard.looped
+            start, previous = end, (None if looped else part, made)
+
+    def _live_frames(
+        self, request: Request, should_stop: Callable[[], bool] | None
+    ) -> Generator[torch.Tensor, None, str]:
+        prompt = self._live_prompt(request, should_stop)
+        if prompt is None:  # stopped while waiting for live text
+            return CANCELLED
+        generator = torch.Generator(device=self.device).manual_seed(request.seed)
+        return (yield from generate.frames(self.model, prompt, request.options, generator, should_stop))
+
+    def _live_prompt(self, request: Request, should_stop: Callable[[], bool] | None) -> Prompt | None:
         live = request.live
+        assert live is not None
         live.should_stop = should_stop
         whole = needs_whole_text(request.cond, request.non_streaming_mode)
         if not live.start() or not (live.wait_for_end() if whole else live.need(1)):
@@ -377,6 +441,36 @@ def stage_threads() -> int:
     return max(1, usable // 2)
 
 
+def _kept(frames: Generator[torch.Tensor, None, str], into: list[torch.Tensor]) -> Generator[torch.Tensor, None, str]:
+    """`frames` passed on, each also appended to `into`; returns their finish reason."""
+    while True:
+        try:
+            frame = next(frames)
+        except StopIteration as end:
+            return end.value
+        into.append(frame)
+        yield frame
+
+
+def _continued(request: Request, previous: tuple[Part | None, list[torch.Tensor]] | None) -> Conditioning:
+    """A segment's conditioning: the request's voice, continuing the previous segment (None: one not
+    to continue) with `carry_context` (Base checkpoints: its text and frames in place of the voice's
+    reference)."""
+    voice = request.cond.voice
+    if not request.long_text.carry_context or previous is None or voice is None:
+        return request.cond
+    part, made = previous
+    if part is None or not made:
+        return request.cond
+    context = Voice(voice.x_vector, torch.stack(made), part.text, voice.model)
+    return replace(request.cond, voice=context, ref_text_ids=part.text_ids[ROLE_IDS:-CLOSING_IDS])
+
+
+def _shifted(segment: Segment, samples: int) -> Segment:
+    """`segment` with its samples `samples` later (an ICL voice's lead before the generated audio)."""
+    return replace(segment, start_sample=segment.start_sample + samples, end_sample=segment.end_sample + samples)
+
+
 def _either(a: Callable[[], bool] | None, b: Callable[[], bool] | None) -> Callable[[], bool] | None:
     if a is None or b is None:
         return a or b
@@ -399,4 +493,4 @@ def _dtype(name: str, value: str) -> torch.dtype | str:
     return DTYPES[value]
 
 
-__all__ = ["Engine", "Speech", "Metrics", "Voice", "SAMPLE_RATE"]
+__all__ = ["Engine", "Speech", "Metrics", "Segment", "LongTextOptions", "Voice", "SAMPLE_RATE"]

@@ -6,12 +6,13 @@ text-track vector are the talker's next input (spec §3.7). `prefill` runs the t
 prompt and makes the first frame; `decode_frame` runs one talker step on the previous frame and
 makes the next. `frames()` is the only generation loop; offline synthesis, streaming and every
 front end consume it. Generation ends when the talker samples EOS or has sampled `max_new_tokens`
-tokens (that last token never becomes a frame), or when the text source or `should_stop` says so.
+tokens (that last token never becomes a frame), when the runaway guard stops it, or when the text
+source or `should_stop` says so; `frames()` returns which (its finish reason).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from .layers import KVCache
 from .model import TTSModel
 from .prompt import Prompt, frame_embedding
+from .runaway import CANCELLED, EOS, GUARD, LENGTH, Guard
 from .sampling import SamplingOptions, sample, talker_scores
 from .talker import Talker
 
@@ -130,15 +132,20 @@ def frames(
     opts: SamplingOptions,
     generator: torch.Generator | None,
     should_stop: Callable[[], bool] | None = None,
-) -> Iterator[torch.Tensor]:
-    """Yield one (16,) int64 code frame at a time until EOS, `max_new_tokens`, the end of a live
-    text source or `should_stop()` (polled before each frame's work)."""
+    guard: Guard | None = None,
+) -> Generator[torch.Tensor, None, str]:
+    """Yield one (16,) int64 code frame at a time until EOS, `max_new_tokens`, the `guard`
+    (kazeia/runaway.py), the end of a live text source or `should_stop()` (polled before each
+    frame's work); return the finish reason (runaway.FINISH_REASONS)."""
     if should_stop is not None and should_stop():
-        return
+        return CANCELLED
     state, codes = prefill(model, prompt, opts, generator)
     while codes is not None:
         yield codes[0]
+        if guard is not None and guard.stops(int(codes[0, 0])):
+            return GUARD
         text = prompt.text_at(state.frames - 1)  # live text may wait here for the next token
         if text is None or (should_stop is not None and should_stop()):
-            return
+            return CANCELLED
         codes = decode_frame(model, state, text)
+    return LENGTH if state.frames + 1 >= opts.max_new_tokens else EOS

@@ -110,16 +110,20 @@ def has_text(text_ids) -> bool:
     return len(text_ids) > ROLE_IDS + CLOSING_IDS
 
 
-def prompt_positions(cond: Conditioning, text_tokens: int, non_streaming_mode: bool) -> int:
+def prompt_positions(
+    cond: Conditioning, text_tokens: int, non_streaming_mode: bool, reference: tuple[int, int] | None = None
+) -> int:
     """Talker positions the prompt of `build_prompt` takes for `text_tokens` text tokens (those
     between the template's role and closing ids): known before any tensor is made, to bound a
-    request by the model's positions."""
+    request by the model's positions. `reference`: (transcript tokens, frames) of the in-context
+    reference, when not the voice's own (a long text's previous segment)."""
     control = (3 if cond.language_id is None else 4) + (cond.speaker_id is not None) + (cond.voice is not None)
     head = len(cond.instruct_ids or ()) + ROLE_IDS + control + 1  # instruct, role, control rows, codec_pad
-    reference = cond.reference_codes
+    if reference is None and cond.reference_codes is not None:
+        reference = (len(cond.ref_text_ids or ()), cond.reference_codes.shape[0])
     if reference is not None:
-        text_track = len(cond.ref_text_ids or ()) + text_tokens + 1  # transcript + text + tts_eos
-        codec_track = 1 + reference.shape[0]  # codec_bos + the reference frames
+        text_track = reference[0] + text_tokens + 1  # transcript + text + tts_eos
+        codec_track = 1 + reference[1]  # codec_bos + the reference frames
         return head + (text_track + codec_track if non_streaming_mode else codec_track)
     return head + (text_tokens + 2 if non_streaming_mode else 1)
 

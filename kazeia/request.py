@@ -3,7 +3,8 @@
 Scope: `Request` (everything `generate.frames` needs besides the model), `Rules` (what one
 checkpoint accepts: its kind, voices, languages, sampling defaults, tokenizer) and the pure
 functions that turn a call's arguments into a `Request`: `validate_options` (everything but the
-text) and `build_request`. Every refusal is a `RequestError`, a ValueError naming the argument at
+text) and `build_request`, which also cuts a long text into the segments spoken one after the
+other (`Part`s: kazeia/segment.py). Every refusal is a `RequestError`, a ValueError naming the argument at
 fault and the valid choices. Non-goals: prompt layouts (prompt.py), server limits (server/params.py).
 """
 
@@ -18,12 +19,17 @@ from .errors import RequestError, check_text
 from .live import LiveText, TextFeed, as_feed
 from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, has_text, prompt_positions
 from .sampling import SamplingOptions
+from .segment import LongTextOptions, split_text
 from .text import TextTokenizer
 from .voices import Voice, VoiceModel
 
 TextSource = str | Iterable[str] | AsyncIterable[str] | TextFeed
 MAX_SEED = 2**63
 TEMPLATE_IDS = ROLE_IDS + CLOSING_IDS  # the assistant template's ids around the text tokens
+# Characters of one whole text at most (a long book, some 20 hours of speech): bounds the text a
+# call holds and the segments it plans; servers set much lower limits (server/config.py).
+MAX_TEXT_CHARS = 1 << 20
+SEED_STEP = 0x9E3779B97F4A7C15  # segment k speaks with seed + k * SEED_STEP (mod 2**63): distinct, reproducible
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,20 @@ class Rules:
 
 
 @dataclass(frozen=True)
+class Part:
+    """One segment of a whole text, as the talker speaks it."""
+
+    text: str  # the segment's text (the whole text, as given, when it is one segment)
+    text_ids: tuple[int, ...]  # its assistant template's ids
+    seed: int  # its own seed, derived from the request's (segment 0: the request's seed itself)
+    budget: int | None  # the runaway guard's frame budget (None: only max_new_tokens bounds it)
+
+    @property
+    def text_tokens(self) -> int:
+        return len(self.text_ids) - TEMPLATE_IDS
+
+
+@dataclass(frozen=True)
 class Request:
     """One validated synthesis request."""
 
@@ -64,6 +84,14 @@ class Request:
     live: LiveText | None = None  # text still arriving (a text source rather than a string)
     prompt_positions: int = 0  # talker positions of the prompt (live text: without the text)
     position_limit: int | None = None  # a caller's bound on prompt + max_new_tokens (a server's)
+    parts: tuple[Part, ...] = ()  # a whole text's segments, spoken one after the other (live text: none)
+    long_text: LongTextOptions = LongTextOptions()  # segmentation and the runaway guard
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the runaway guard watches the segments (never with ignore_eos, which asks for
+        exactly max_new_tokens - 1 frames)."""
+        return self.long_text.guard and not self.options.ignore_eos
 
 
 def validate_options(
@@ -98,6 +126,7 @@ def build_request(
     text_timeout: float | None = 30.0,
     text_deadline: float | None = None,
     position_limit: int | None = None,
+    long_text: LongTextOptions | None = None,
     **options,
 ) -> Request:
     """A whole text, or a source of text still arriving (an iterable or async iterable of deltas,
@@ -105,17 +134,24 @@ def build_request(
     no limit; `text_deadline`: seconds, from when generation starts waiting for it, within which it
     must end, None for none; its default layout is the one that reads the text while generating,
     `non_streaming_mode=False`), with `options` as `validate_options` takes them.
-    `position_limit`: prompt + max_new_tokens at most this (below the model's own positions)."""
+    `position_limit`: prompt + max_new_tokens at most this (below the model's own positions), for
+    each segment. `long_text`: how a whole text is segmented and guarded (defaults: LongTextOptions())."""
+    if long_text is None:
+        long_text = LongTextOptions()
+    elif not isinstance(long_text, LongTextOptions):
+        raise RequestError("long_text", f"long_text must be LongTextOptions, got {type(long_text).__name__}")
     if isinstance(text, str):
         check_text("text", text)
         if not text.strip():
             raise RequestError("text", "text is empty")
+        if len(text) > MAX_TEXT_CHARS:
+            raise RequestError("text", f"text has {len(text)} characters; at most {MAX_TEXT_CHARS} are accepted")
         base = validate_options(rules, **options)
         ids = rules.tokenizer.assistant_ids(text)
         if not has_text(ids):
             raise RequestError("text", "text produced no tokens")
-        request = replace(base, text_ids=tuple(ids), position_limit=position_limit)
-        return bounded(rules, request, len(ids) - TEMPLATE_IDS)
+        request = replace(base, text_ids=tuple(ids), position_limit=position_limit, long_text=long_text)
+        return _planned(rules, request, text)
     if isinstance(text, (bytes, bytearray)):
         raise RequestError("text", "text must be a string or a source of strings, not bytes")
     if not isinstance(text, (Iterable, AsyncIterable, TextFeed)):
@@ -126,15 +162,47 @@ def build_request(
             raise RequestError(name, f"{name} must be a number of seconds > 0 or None, got {value!r}")
     if options.get("non_streaming_mode") is None:
         options["non_streaming_mode"] = False
-    base = bounded(rules, replace(validate_options(rules, **options), position_limit=position_limit), 0)
+    base = validate_options(rules, **options)
+    base = bounded(rules, replace(base, position_limit=position_limit, long_text=long_text), 0)
     live = LiveText(rules.tokenizer, as_feed(text), text_timeout, deadline=text_deadline)  # starts reading it
     return replace(base, live=live)
 
 
-def bounded(rules: Rules, request: Request, text_tokens: int) -> Request:
+def _planned(rules: Rules, request: Request, text: str) -> Request:
+    """`request` with its segments (one for a text within the budget, or with segmentation off),
+    each bounded by the positions, with its seed and frame budget."""
+    options, long_text = request.options, request.long_text
+    if long_text.carry_context and rules.model_type != "base":
+        raise RequestError(
+            "carry_context", f"carry_context needs a Base checkpoint's in-context layout; this is {rules.model_type}"
+        )
+    texts = [text]
+    if long_text.segment and len(request.text_ids) - TEMPLATE_IDS > long_text.segment_tokens:
+        count = lambda piece: len(rules.tokenizer.text_ids(piece))  # noqa: E731
+        texts = [piece.strip() for piece in split_text(text, long_text.segment_tokens, count)]
+    parts: list[Part] = []
+    for k, piece in enumerate(texts):
+        ids = tuple(request.text_ids) if len(texts) == 1 else tuple(rules.tokenizer.assistant_ids(piece))
+        budget = long_text.frame_budget(len(ids) - TEMPLATE_IDS) if request.guarded else None
+        if budget is not None and budget >= options.max_new_tokens - 1:
+            budget = None  # max_new_tokens comes first
+        seed = (request.seed + k * SEED_STEP) % MAX_SEED
+        parts.append(Part(piece, ids, seed, budget))
+    first = bounded(rules, request, parts[0].text_tokens)
+    for previous, part in zip(parts, parts[1:], strict=False):
+        context = None
+        if long_text.carry_context:  # at most the previous segment's frames join the prompt
+            frames = options.max_new_tokens - 1 if previous.budget is None else previous.budget
+            context = (previous.text_tokens, frames)
+        bounded(rules, request, part.text_tokens, context)
+    return replace(first, parts=tuple(parts))
+
+
+def bounded(rules: Rules, request: Request, text_tokens: int, context: tuple[int, int] | None = None) -> Request:
     """`request` with its prompt's positions, once prompt + max_new_tokens fit the talker's
-    positions (a RequestError naming the part that does not fit, before any work)."""
-    positions = prompt_positions(request.cond, text_tokens, request.non_streaming_mode)
+    positions (a RequestError naming the part that does not fit, before any work). `context`:
+    (text tokens, frames) of a previous segment the prompt continues, in place of a voice's reference."""
+    positions = prompt_positions(request.cond, text_tokens, request.non_streaming_mode, context)
     limit, whose = rules.cfg.talker.stack.max_positions, "the model's"
     if request.position_limit is not None and request.position_limit < limit:
         limit, whose = request.position_limit, "the allowed"

@@ -34,8 +34,21 @@ def _option(default, help: str):
     return field(default=default, metadata={"help": help})
 
 
+class Described:
+    """Options whose fields are made with `_option`: their names and descriptions, for front ends."""
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def describe(cls) -> dict[str, tuple[type, str]]:
+        """name -> (type of its values, one-line description), for front ends' flags."""
+        return {f.name: (type(f.default), f.metadata["help"]) for f in fields(cls)}  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class SamplingOptions:
+class SamplingOptions(Described):
     """Generation options, named as in the reference's `generate_*` functions (the defaults are the
     released generation_config.json's)."""
 
@@ -64,15 +77,6 @@ class SamplingOptions:
         _check("repetition_penalty", self.repetition_penalty, float, _safe_divisor, f"a number >= {MIN_DIVISOR:g}")
         # Two tokens at least: the first can never be EOS, so every call yields one frame or more.
         _check("max_new_tokens", self.max_new_tokens, int, lambda v: v >= 2, "an integer >= 2")
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-    @classmethod
-    def describe(cls) -> dict[str, tuple[type, str]]:
-        """name -> (type of its values, one-line description), for front ends' flags."""
-        return {f.name: (type(f.default), f.metadata["help"]) for f in fields(cls)}
 
     @classmethod
     def from_file(cls, path: Path) -> SamplingOptions:

@@ -6,6 +6,11 @@ the `SpeechStream` takes frames from it, decodes each chunk with the stateful vo
 its frames exist, and no frame is ever decoded twice. Closing the stream (or leaving a `for` loop
 over it, or a `with` block) stops generation before the next frame and joins the worker; an
 exception in the worker is raised to the caller.
+
+A long text's segments (kazeia/segment.py) all go through the one stream and its one vocoder state,
+so their joins are as seamless as any chunk boundary. The frame generator follows each segment's
+last frame with its `Segment` (exact first and last sample, finish reason); the chunk that carries
+that last sample, or a later one, lists it in `AudioChunk.segments`.
 """
 
 from __future__ import annotations
@@ -19,10 +24,31 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .runaway import CANCELLED, overall
 from .vocoder import Vocoder, VocoderState
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
 _DONE = object()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment of an utterance (a whole short text is one) and where its audio lies."""
+
+    index: int  # 0, 1, ... in speaking order
+    text: str  # what it says
+    start_sample: int  # its first sample in the utterance's audio (24 kHz)
+    end_sample: int  # one past its last sample
+    finish_reason: str  # why its generation ended: "eos", "length", "guard" or "cancelled" (runaway.py)
+    sample_rate: int  # Hz (24000)
+
+    @property
+    def start_s(self) -> float:
+        return self.start_sample / self.sample_rate
+
+    @property
+    def end_s(self) -> float:
+        return self.end_sample / self.sample_rate
 
 
 @dataclass(frozen=True)
@@ -33,6 +59,7 @@ class AudioChunk:
     start_sample: int  # offset of audio[0] in the whole utterance
     frames: int  # code frames in this chunk (0 only for an empty closing chunk)
     is_last: bool  # no chunk follows
+    segments: tuple[Segment, ...] = ()  # segments that ended (their last sample is out) by this chunk's end
 
 
 @dataclass(frozen=True)
@@ -81,10 +108,11 @@ def _generate(make_frames, frames_out: queue.Queue, stop: threading.Event, progr
     a temporary) collects it, and its finaliser stops this worker.
     """
     try:
-        for frame in make_frames(stop.is_set):
-            if progress.first_frame_at is None:
-                progress.first_frame_at = time.perf_counter()
-            progress.frames += 1
+        for frame in make_frames(stop.is_set):  # frames, each segment followed by its Segment
+            if isinstance(frame, torch.Tensor):
+                if progress.first_frame_at is None:
+                    progress.first_frame_at = time.perf_counter()
+                progress.frames += 1
             if not _put(frames_out, frame, stop):
                 return
         _put(frames_out, _DONE, stop)
@@ -105,11 +133,11 @@ def _put(frames_out: queue.Queue, item, stop: threading.Event) -> bool:
 
 class SpeechStream:
     """Iterator of `AudioChunk`s; `metrics` and `codes` are set once the last chunk is out (None
-    before, and for a stream closed early)."""
+    before, and for a stream closed early); `segments` grows as segments end."""
 
     def __init__(
         self,
-        make_frames: Callable[[Callable[[], bool]], Iterator[torch.Tensor]],
+        make_frames: Callable[[Callable[[], bool]], Iterator[torch.Tensor | Segment]],
         vocoder: Vocoder,
         schedule: ChunkSchedule,
         seed: int,
@@ -122,13 +150,17 @@ class SpeechStream:
         self._live = live
         self.metrics: Metrics | None = None  # set once the last chunk is out
         self.codes: np.ndarray | None = None  # (frames, 16) int64, set once the last chunk is out
+        self.segments: list[Segment] = []  # the segments that have ended, in order
+        self._ended: list[Segment] = []  # segments that ended since the last chunk went out
         self._vocoder, self._schedule, self._seed, self._started = vocoder, schedule, seed, started
         self._state: VocoderState = vocoder.new_state() if state is None else state
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_FRAMES)
         self._stop = threading.Event()
         self._progress = _Progress()
         self._pending: list[torch.Tensor] = []  # frames waiting for their chunk
-        self._codes: list[torch.Tensor] = []  # frames already decoded
+        # The frames already decoded, one (n, 16) tensor a chunk (128 bytes a frame, not an object each).
+        self._codes: list[torch.Tensor] = []
+        self._frames = 0
         self._lookahead = None  # an item taken from the queue early, to mark the last chunk
         self._chunks = self._samples = 0
         self._ttfb: float | None = None
@@ -136,6 +168,14 @@ class SpeechStream:
         args = (make_frames, self._queue, self._stop, self._progress)
         self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the utterance ended (the most serious of its segments' reasons, runaway.overall):
+        None while it runs, "cancelled" for a stream closed before its end."""
+        if self.metrics is None:
+            return CANCELLED if self._done else None
+        return overall([s.finish_reason for s in self.segments])
 
     @property
     def frames_generated(self) -> int:
@@ -154,9 +194,15 @@ class SpeechStream:
                 self._lookahead = None
                 if item is _DONE:
                     return self._emit(is_last=True)
+                if isinstance(item, Segment):
+                    self._ended.append(item)
+                    continue
                 self._pending.append(item)
                 if len(self._pending) >= self._schedule.size(self._chunks):
                     self._lookahead = self._take(block=False)
+                    while isinstance(self._lookahead, Segment):  # a segment that ends with this chunk
+                        self._ended.append(self._lookahead)
+                        self._lookahead = self._take(block=False)
                     return self._emit(is_last=self._lookahead is _DONE)
         except BaseException:
             self.close()
@@ -183,13 +229,17 @@ class SpeechStream:
     def _emit(self, is_last: bool) -> AudioChunk:
         frames, self._pending = self._pending, []
         if frames:
+            codes = torch.stack(frames)  # (n, 16)
             with torch.inference_mode():
-                audio = self._vocoder.decode_chunk(torch.stack(frames), self._state)  # (n * 1920,)
+                audio = self._vocoder.decode_chunk(codes, self._state)  # (n * 1920,)
             samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
+            self._codes.append(codes)
         else:  # the end became known only after the previous chunk went out
             samples = np.zeros(0, dtype=np.float32)
-        chunk = AudioChunk(samples, self._samples, len(frames), is_last)
-        self._codes += frames
+        chunk = AudioChunk(samples, self._samples, len(frames), is_last, tuple(self._ended))
+        self.segments += self._ended
+        self._ended = []
+        self._frames += len(frames)
         self._chunks += 1
         self._samples += len(samples)
         if self._ttfb is None:
@@ -203,7 +253,7 @@ class SpeechStream:
         wall = time.perf_counter() - self._started
         audio_s = self._samples / self._vocoder.cfg.sample_rate
         prefill = (self._progress.first_frame_at or self._started) - self._started
-        self.codes = torch.stack(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
+        self.codes = torch.cat(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
         rtf = wall / audio_s if audio_s else float("inf")
         live = {}
         if self._live is not None:
@@ -211,7 +261,7 @@ class SpeechStream:
             delay = None if first_text is None else self._first_audio_at - first_text
             live = {"text_wait_frames": self._live.waits, "first_text_to_audio_s": delay}
         ttfb = wall if self._ttfb is None else self._ttfb
-        self.metrics = Metrics(len(self._codes), audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live)
+        self.metrics = Metrics(self._frames, audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live)
         self.close()
 
     def close(self) -> None:

@@ -206,3 +206,55 @@ def test_hostile_command_lines_and_input_exit_2_before_any_work(tiny_checkpoints
         run = subprocess.run(argv, input=stdin or b"", capture_output=True, timeout=300)
         err = run.stderr.decode("utf-8", "replace")
         assert run.returncode == 2 and words in err and "Traceback" not in err, (argv[-2:], err)
+
+
+def test_say_a_text_file_with_subtitles_and_a_guard_warning(tiny_checkpoints, tmp_path, capsys):
+    """A long text from a file: one WAV equal to the engine's, one subtitle per segment at its
+    exact samples, and a warning since random weights leave the guard to end the segments."""
+    from kazeia import LongTextOptions
+    from kazeia.subtitles import srt
+
+    text = "The first sentence is here. A second one follows it!\n\nUn autre paragraphe. 最后一句话。"
+    source = tmp_path / "chapter.txt"
+    source.write_text(text, encoding="utf-8")
+    model, out, subtitles = str(tiny_checkpoints["0.6B-custom"]), tmp_path / "chapter.wav", tmp_path / "chapter.srt"
+    long_text = ["--segment-tokens", "8", "--floor-frames", "3", "--frames-per-token", "1"]
+    argv = ["say", "--text-file", str(source), "--model", model, "--voice", "ryan", "--seed", "4", "-o", str(out)]
+    assert main(argv + long_text + ["--max-new-tokens", "100", "--subtitles", str(subtitles)]) == 0
+    options = LongTextOptions(segment_tokens=8, floor_frames=3, frames_per_token=1)
+    speech = Engine.load(model).synthesize(text, voice="ryan", seed=4, max_new_tokens=100, long_text=options)
+    assert len(speech.segments) >= 3
+    audio, _ = sf.read(out, dtype="float32")
+    assert np.max(np.abs(audio - speech.audio)) < 1 / 16000
+    assert subtitles.read_text(encoding="utf-8") == srt(speech.segments)
+    err = capsys.readouterr().err
+    guarded = sum(s.finish_reason == "guard" for s in speech.segments)
+    assert f"runaway guard stopped {guarded} of {len(speech.segments)} segments" in err
+    assert main(argv[:-1] + [str(tmp_path / "x.wav"), "--subtitles", str(tmp_path / "x.txt")]) == 2
+    assert "must end in .srt or .vtt" in capsys.readouterr().err
+    assert main(argv + ["Also a text."]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_progress_bar_on_request_and_none_by_default(tiny_checkpoints, tmp_path, capsys):
+    """--progress draws a bar over the segments on stderr, with the audio seconds and the RTF;
+    without it (stderr is no terminal here) and with --no-progress, stderr has only the summary.
+    The FLAC file, written chunk by chunk, holds the engine's audio."""
+    from kazeia import LongTextOptions
+
+    text = "The first sentence is here. A second one follows it! Un autre paragraphe. 最后一句话。"
+    model, out = str(tiny_checkpoints["0.6B-custom"]), tmp_path / "bar.flac"
+    argv = ["say", text, "--model", model, "--voice", "ryan", "--seed", "4", "-o", str(out), "--max-new-tokens", "100"]
+    argv += ["--segment-tokens", "8", "--floor-frames", "3", "--frames-per-token", "1"]
+    options = LongTextOptions(segment_tokens=8, floor_frames=3, frames_per_token=1)
+    speech = Engine.load(model).synthesize(text, voice="ryan", seed=4, max_new_tokens=100, long_text=options)
+    n = len(speech.segments)
+    assert main(argv + ["--progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"{n}/{n} [" in err and "segment/s" in err and f"{speech.metrics.audio_s:.1f} s audio, RTF " in err
+    audio, rate = sf.read(out, dtype="float32")
+    assert rate == 24000 and np.max(np.abs(audio - speech.audio)) < 1 / 16000
+    for quiet in ([], ["--no-progress"]):
+        assert main(argv + quiet) == 0
+        err = capsys.readouterr().err
+        assert "segment/s" not in err and "\r" not in err and err.startswith(f"{out}: "), err

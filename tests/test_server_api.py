@@ -5,6 +5,7 @@ every format; every bad request gets a 4xx with an OpenAI-style error naming the
 server keeps serving.
 """
 
+import base64
 import io
 import re
 
@@ -23,6 +24,7 @@ from server_support import (
     streamed_wav_pcm,
 )
 
+from kazeia.audio import pcm16
 from kazeia.server import Limits, ServerConfig, create_app
 from kazeia.server.formats import available_formats
 
@@ -242,3 +244,66 @@ def test_inputs_are_bounded_in_tokens_and_positions(engines):
         _error(speech(client, input=words, max_new_tokens=64), 400, "max_new_tokens", "allowed 150 positions")
         r = speech(client, input="Short.", max_new_tokens=5, response_format="pcm")
         assert r.status_code == 200
+
+
+LONG_INPUT = " ".join(
+    f"Sentence number {n} of a long article, read aloud by the server in one voice." for n in range(12)
+)  # ~200 tokens: more than one segment of 96
+
+
+@pytest.fixture(scope="module")
+def long_client(engines):
+    limits = Limits(max_input_chars=2000, max_new_tokens=40, max_response_bytes=300_000)
+    with TestClient(create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", limits=limits))) as client:
+        yield client
+
+
+def test_long_input_streams_segments_and_a_finish_reason(long_client, engines):
+    """A long input is one utterance spoken in segments: SSE sends each segment as its audio is
+    out, then the done event with the finish reason and all segments; the audio is the engine's."""
+    options = dict(seed=3, language="english")
+    speech = engines["0.6B-custom"].synthesize(LONG_INPUT, voice="serena", max_new_tokens=40, **options)
+    assert len(speech.segments) >= 2
+    r = long_client.post(
+        "/v1/audio/speech",
+        json={"input": LONG_INPUT, "voice": "serena", "response_format": "pcm", "stream_format": "sse", **options},
+    )
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    segments = [e for e in events if e["type"] == "speech.segment"]
+    done = events[-1]
+    assert done["type"] == "speech.audio.done" and done["finish_reason"] == speech.finish_reason
+    expected = [
+        {"index": s.index, "text": s.text, "start_s": s.start_s, "end_s": s.end_s, "start_sample": s.start_sample,
+         "end_sample": s.end_sample, "finish_reason": s.finish_reason}
+        for s in speech.segments
+    ]  # fmt: skip
+    assert [{k: v for k, v in e.items() if k != "type"} for e in segments] == expected
+    assert done["segments"] == expected
+    audio = sse_audio([e for e in events if e["type"] != "speech.segment"])
+    assert_pcm_close(audio, pcm16(speech.audio))
+    assert segments[-1]["end_sample"] * 2 == len(audio)
+    seen = 0  # each segment event comes after the audio that ends it
+    for event in events:
+        if event["type"] == "speech.audio.delta":
+            seen += len(base64.b64decode(event["audio"]))
+        elif event["type"] == "speech.segment":
+            assert event["end_sample"] * 2 <= seen
+
+
+def test_stream_false_answers_whole_with_a_finish_reason_header(long_client, engines):
+    body = {"input": "A short one.", "voice": "serena", "response_format": "pcm", "seed": 2}
+    streamed = long_client.post("/v1/audio/speech", json=body)
+    whole = long_client.post("/v1/audio/speech", json={**body, "stream": False})
+    assert whole.status_code == 200 and whole.content == streamed.content
+    expected = engines["0.6B-custom"].synthesize("A short one.", voice="serena", seed=2, max_new_tokens=40)
+    assert whole.headers["x-kazeia-finish-reason"] == expected.finish_reason
+    assert "x-kazeia-finish-reason" not in streamed.headers
+    _error(long_client.post("/v1/audio/speech", json={**body, "input": LONG_INPUT, "stream": False}), 413, "stream")
+    _error(long_client.post("/v1/audio/speech", json={**body, "stream": "no"}), 400, "stream", "true or false")
+    _error(
+        long_client.post("/v1/audio/speech", json={**body, "stream": False, "stream_format": "sse"}),
+        400,
+        "stream",
+        "stream_format",
+    )

@@ -73,3 +73,34 @@ def test_serve_checks_its_security_options_before_loading(tmp_path, capsys):
     assert "'https://b.example/' must be '*' or scheme://host[:port]" in capsys.readouterr().err
     assert main(["serve", "--model", missing, "--api-key", "1234567"]) == 2
     assert "api_key must be a string of at least 8 characters" in capsys.readouterr().err
+
+
+def test_serve_takes_long_inputs_only_with_max_input_chars(engines):
+    """`kazeia serve` keeps OpenAI's 4096 characters by default (a 400 naming `input`); with
+    --max-input-chars 20000 a 20,000-character multilingual input is spoken, in segments, as the
+    engine speaks it: its token limit follows, unless --max-input-tokens sets one apart."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from server_support import assert_pcm_close, offline_pcm
+
+    from kazeia.cli import _server_config, build_parser
+    from kazeia.server import create_app
+
+    sentences = "A long article is read aloud in one voice. 今天天气很好，我们去公园散步吧！ Wir kaufen z. B. Brot. "
+    text = (sentences * (20_000 // len(sentences) + 1))[:20_000]
+    engine = engines["0.6B-custom"]
+    assert len(engine.tokenizer.text_ids(text)) > 4096
+    options = {"voice": "ryan", "seed": 6, "max_new_tokens": 3}
+    body = {"input": text, "response_format": "pcm", **options}
+    refused = {(): "characters", ("--max-input-chars", "20000", "--max-input-tokens", "4096"): "tokens"}
+    for flags in [*refused, ("--max-input-chars", "20000")]:
+        config = _server_config(build_parser().parse_args(["serve", "--model", "tiny-custom", *flags]), None)
+        with TestClient(create_app(engine, config)) as client:
+            r = client.post("/v1/audio/speech", json=body)
+        if flags in refused:
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "input", r.text
+            assert f"{refused[flags]} long; this server accepts at most 4096" in error["message"], error
+            continue
+        assert r.status_code == 200, r.text
+        assert_pcm_close(r.content, offline_pcm(engine, text, **options))

@@ -121,3 +121,31 @@ def test_cancel_stops_the_utterance_and_drops_the_queued_ones(client, app):
     assert done[-1]["metrics"]["samples"] < 79 * 1920
     record = app.state.kazeia.worker.records[-1]
     assert record.status == "cancelled" and record.frames - record.frames_at_cancel <= 1
+
+
+def test_a_long_text_reports_its_segments(engines):
+    """A text spoken in several segments: `audio.segment` after the audio that ends each one,
+    `audio.done` with the finish reason and all segments, as the engine reports them."""
+    text = " ".join(f"Sentence {n} is part of a long text spoken over the socket." for n in range(14))
+    options = dict(seed=6, max_new_tokens=30)
+    speech = engines["0.6B-custom"].synthesize(text, voice="ryan", **options)
+    assert len(speech.segments) >= 2
+    limits = Limits(max_input_chars=2000, max_new_tokens=30)
+    with TestClient(create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", limits=limits))) as client:
+        with client.websocket_connect(ROUTE) as ws:
+            update(ws, voice="ryan", **options)
+            ws.send_json({"type": "input_text", "text": text})
+            assert receive(ws)["type"] == "audio.start"
+            pcm, segments = b"", []
+            while isinstance(item := receive(ws), bytes) or item["type"] == "audio.segment":
+                if isinstance(item, bytes):
+                    pcm += item
+                else:
+                    assert item["utterance"] == 1 and item["end_sample"] * 2 <= len(pcm)
+                    segments.append(item)
+    assert item["type"] == "audio.done" and item["finish_reason"] == speech.finish_reason
+    assert [(s["text"], s["start_sample"], s["end_sample"], s["finish_reason"]) for s in segments] == [
+        (s.text, s.start_sample, s.end_sample, s.finish_reason) for s in speech.segments
+    ]
+    assert item["segments"] == [{k: v for k, v in s.items() if k not in ("type", "utterance")} for s in segments]
+    assert_pcm_close(pcm, offline_pcm(engines["0.6B-custom"], text, voice="ryan", **options))

@@ -17,9 +17,11 @@ DEFAULT_VOICES_DIR = "voices"  # relative to the working directory of the server
 class Limits:
     """Bounds on one request; anything beyond them is a 400 that names the bound."""
 
-    max_input_chars: int = 4096  # length of `input` (OpenAI's own limit); also of a live text in total
+    # Length of `input` (OpenAI's own limit); also of a live text in total. A long input is spoken in
+    # segments, each bounded by max_new_tokens and the runaway guard's frame budget (kazeia/segment.py).
+    max_input_chars: int = 4096
     max_instructions_chars: int = 2048  # length of `instructions`
-    max_new_tokens: int = 4096  # talker tokens per utterance (4095 frames = 5.5 min); also the default
+    max_new_tokens: int = 4096  # talker tokens per segment of an utterance (4095 frames = 5.5 min); also the default
     max_temperature: float = 2.0  # upper bound of temperature and subtalker_temperature
     max_repetition_penalty: float = 2.0  # upper bound of repetition_penalty
     max_body_bytes: int = 1 << 20  # size of a JSON request body or WebSocket message
@@ -34,6 +36,7 @@ class Limits:
     # released sizes); also bounded by the model's own positions.
     max_positions: int = 8192
     max_buffered_bytes: int = 8 << 20  # encoded audio an utterance may hold for a client that reads slowly
+    max_response_bytes: int = 64 << 20  # the whole audio of a `stream: false` response (~11 min of WAV)
     client_stall_s: float = 30.0  # a client that takes none of it for this long is cancelled as if gone
     max_voices: int = 256  # saved voices in the voices directory
     max_voices_bytes: int = 512 << 20  # their files' total size
@@ -49,6 +52,7 @@ class Limits:
             "max_instructions_tokens",
             "max_ref_text_tokens",
             "max_buffered_bytes",
+            "max_response_bytes",
             "max_voices",
             "max_voices_bytes",
         ):

@@ -1,8 +1,8 @@
 """Request bodies -> validated engine requests, or an `ApiError` naming the field at fault.
 
 The speech body takes OpenAI's fields (`model`, `input`, `voice`, `instructions`, `response_format`,
-`speed`, `stream_format`) and Kazeia's extensions (`language`, `seed`, `non_streaming_mode` and every
-`SamplingOptions` field under its own name). A WebSocket session takes the same voice and
+`speed`, `stream_format`) and Kazeia's extensions (`stream`, `language`, `seed`, `non_streaming_mode`
+and every `SamplingOptions` field under its own name). A WebSocket session takes the same voice and
 extension fields. Unknown fields are refused, never ignored. The engine does the model-specific
 validation (voices, languages, option types); this module adds the server's `Limits`, and on Base
 checkpoints turns a `voice` name into the saved voice of that name (never into a file path).
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 ENGINE_FIELDS = ("language", "seed", "non_streaming_mode", *SamplingOptions.names())
 SESSION_FIELDS = ("voice", "instructions", *ENGINE_FIELDS)
-SPEECH_FIELDS = ("model", "input", "response_format", "speed", "stream_format", *SESSION_FIELDS)
+SPEECH_FIELDS = ("model", "input", "response_format", "speed", "stream_format", "stream", *SESSION_FIELDS)
 STREAM_FORMATS = ("audio", "sse")
 SPEED_RANGE = (0.25, 4.0)  # OpenAI's range for `speed`
 CAPPED = {  # option -> the Limits field bounding it from above
@@ -47,6 +47,7 @@ class SpeechBody:
     request: Request  # what the worker generates
     audio_format: AudioFormat  # how its audio is encoded
     stream_format: str  # "audio" (the encoded bytes) or "sse" (base64 events)
+    stream: bool = True  # False: the whole audio in one response, with its finish reason in a header
 
 
 def speech_body(
@@ -72,8 +73,15 @@ def speech_body(
             f"unknown stream_format {stream_format!r}; choose one of: {', '.join(STREAM_FORMATS)}",
             param="stream_format",
         )
+    stream = body.get("stream", True)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {json.dumps(stream)}", param="stream")
+    if not stream and stream_format == "sse":
+        raise ApiError(
+            400, 'stream false sends the whole audio at once; it takes stream_format "audio"', param="stream"
+        )
     options = session_options(body, engine, config.limits, voices, check=False)
-    return SpeechBody(prepare(engine, text, options, voices, config), audio_format, stream_format)
+    return SpeechBody(prepare(engine, text, options, voices, config), audio_format, stream_format, stream)
 
 
 def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceStore | None, check: bool = True) -> dict:

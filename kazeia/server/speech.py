@@ -5,7 +5,13 @@ encoded audio as it comes (`stream_format: "audio"`), or OpenAI's server-sent ev
 `speech.audio.delta` (base64 of the same bytes) and a final `speech.audio.done` with usage
 (`stream_format: "sse"`; each event is one `data:` line holding JSON with its `type`). However the
 response ends, its job is cancelled if it is still running, so a client that leaves frees the worker.
-"""
+
+A long input is spoken in segments (kazeia/segment.py); SSE sends a `speech.segment` event for each
+as soon as its audio is out (text, start/end seconds and samples, finish reason), and the done event
+carries the utterance's `finish_reason` and all its `segments` (a short text's one included). A
+streamed audio body has sent its headers before the end is known, so the finish reason travels in a
+header (`X-Kazeia-Finish-Reason`) only for `stream: false`, which answers with the whole audio once
+it is made (at most `max_response_bytes`)."""
 
 from __future__ import annotations
 
@@ -15,21 +21,21 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from .bodies import json_object, read_body, require_json
 from .errors import ApiError
 from .metrics import ServerMetrics
 from .params import speech_body
 from .state import server_state
-from .worker import Busy, Job, Outcome
+from .worker import Busy, Job, Outcome, segment_fields
 
 ROUTE = "/v1/audio/speech"
 router = APIRouter()
 
 
 @router.post(ROUTE)
-async def speech(request: Request) -> StreamingResponse:
+async def speech(request: Request) -> Response:
     s = server_state(request)
     s.metrics.requests.inc(route=ROUTE)
     require_json(request)
@@ -45,6 +51,13 @@ async def speech(request: Request) -> StreamingResponse:
     except Busy as busy:
         raise ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)}) from None
     headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.request.seed)}
+    if not parsed.stream:
+        try:
+            body_bytes, outcome = await _whole(job, encoder.header(), limits.max_response_bytes, s.metrics)
+        finally:
+            job.cancel()  # a no-op once the job has finished
+        headers["X-Kazeia-Finish-Reason"] = outcome.finish_reason or ""
+        return Response(body_bytes, media_type=parsed.audio_format.media_type, headers=headers)
     if parsed.stream_format == "sse":
         events = _sse(job, encoder.header(), len(parsed.request.text_ids), s.metrics)
         return _JobResponse(job, events, media_type="text/event-stream", headers=headers)
@@ -66,6 +79,28 @@ class _JobResponse(StreamingResponse):
             self.job.cancel()  # a no-op once the job has finished
 
 
+async def _whole(job: Job, header: bytes, limit: int, metrics: ServerMetrics) -> tuple[bytes, Outcome]:
+    """All of a job's audio and its Outcome (`stream: false`); over `limit` bytes is a 413."""
+    pieces, size = [header], len(header)
+    async for item in job.outcomes():
+        if isinstance(item, bytes):
+            size += len(item)
+            if size > limit:
+                raise ApiError(
+                    413,
+                    f"the audio is over this server's limit of {limit} bytes for stream false; stream it instead",
+                    param="stream",
+                    code="response_too_large",
+                )
+            pieces.append(item)
+        elif isinstance(item, Outcome):
+            if item.status != "completed":
+                metrics.errors.inc(route=ROUTE, status="500")
+                raise ApiError(500, f"generation {item.status}: {item.error}", code="internal_error")
+            return b"".join(pieces), item
+    raise ApiError(500, "generation ended without an outcome", code="internal_error")
+
+
 async def _audio(job: Job, header: bytes, metrics: ServerMetrics) -> AsyncIterator[bytes]:
     if header:
         yield header
@@ -75,15 +110,18 @@ async def _audio(job: Job, header: bytes, metrics: ServerMetrics) -> AsyncIterat
                 metrics.errors.inc(route=ROUTE, status="500")
                 raise RuntimeError(f"utterance {job.id} failed: {item.error}")
             return
-        yield item
+        if isinstance(item, bytes):
+            yield item
 
 
 async def _sse(job: Job, header: bytes, input_tokens: int, metrics: ServerMetrics) -> AsyncIterator[str]:
     pending = header  # a WAV header travels in the first delta
     async for item in job.outcomes():
-        if not isinstance(item, Outcome):
+        if isinstance(item, bytes):
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(pending + item).decode()})
             pending = b""
+        elif not isinstance(item, Outcome):  # a segment whose audio is out
+            yield _event({"type": "speech.segment", **segment_fields(item)})
         elif item.status == "failed":
             metrics.errors.inc(route=ROUTE, status="500")
             error = ApiError(500, f"generation failed: {item.error}", code="internal_error")
@@ -93,7 +131,9 @@ async def _sse(job: Job, header: bytes, input_tokens: int, metrics: ServerMetric
                 yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(pending).decode()})
             frames = item.metrics.frames if item.metrics else 0
             usage = {"input_tokens": input_tokens, "output_tokens": frames, "total_tokens": input_tokens + frames}
-            yield _event({"type": "speech.audio.done", "usage": usage})
+            segments = [segment_fields(segment) for segment in item.segments]
+            done = {"type": "speech.audio.done", "usage": usage, "finish_reason": item.finish_reason}
+            yield _event({**done, "segments": segments})
 
 
 def _event(data: dict) -> str:

@@ -11,10 +11,12 @@ Client messages are JSON text frames with a `type`:
 * `cancel` stops the utterance being spoken (before its next frame) and drops the queued ones.
 
 Utterances, whole or live, queue up in the order they were accepted and are spoken one after the
-other. The server answers each with `audio.start`, binary frames of 16-bit little-endian PCM
-(24 kHz mono) as the audio is produced, then `audio.done` (status, metrics) — or with one `error`
-that carries its number. Errors that concern no utterance (bad JSON, unknown type, bad session,
-`input_text.end` with nothing open) leave the session as it was and the socket open.
+other. The server answers each with `audio.start`, binary frames of 16-bit little-endian PCM (24 kHz
+mono) as the audio is produced, `audio.segment` (text, start/end seconds and samples, finish reason)
+after the audio of each segment of a text long enough to be spoken in several, then `audio.done`
+(status, finish_reason, all segments, metrics) — or with one `error` that carries its number. Errors
+that concern no utterance (bad JSON, unknown type, bad session, `input_text.end` with nothing open)
+leave the session as it was and the socket open.
 
 A live utterance stays open until `input_text.end`, even once its audio has ended (cancelled,
 failed, or finished early): the rest of its text is then dropped without an answer, so the deltas
@@ -42,7 +44,7 @@ from .errors import ApiError
 from .formats import Encoder
 from .params import check_length, prepare, session_options
 from .state import ServerState, server_state
-from .worker import Busy, Job, Outcome
+from .worker import Busy, Job, Outcome, segment_fields
 
 ROUTE = "/v1/audio/speech/stream"
 router = APIRouter()
@@ -252,6 +254,9 @@ class _Session:
                 if isinstance(item, bytes):
                     await self.send(item)
                     continue
+                if not isinstance(item, Outcome):
+                    await self.send({"type": "audio.segment", "utterance": number, **segment_fields(item)})
+                    continue
                 utterance.over = utterance.reported = True
                 if item.status == "failed":
                     await self.error(_failure(item), number)
@@ -280,7 +285,10 @@ def _done(number: int, status: str, outcome: Outcome | None) -> dict:
             metrics.update(frames=m.frames, wall_s=m.wall_s, rtf=m.rtf, prefill_s=m.prefill_s, seed=m.seed)
             if m.first_text_to_audio_s is not None:  # live text
                 metrics.update(text_wait_frames=m.text_wait_frames, first_text_to_audio_s=m.first_text_to_audio_s)
-    return {"type": "audio.done", "utterance": number, "status": status, "metrics": metrics}
+    reason = outcome.finish_reason if outcome is not None else "cancelled"
+    segments = [segment_fields(segment) for segment in outcome.segments] if outcome is not None else []
+    done = {"type": "audio.done", "utterance": number, "status": status, "finish_reason": reason}
+    return {**done, "segments": segments, "metrics": metrics}
 
 
 @router.websocket(ROUTE)

@@ -29,7 +29,8 @@ from ..audio import SAMPLE_RATE
 from ..engine import Engine
 from ..live import TextTimeout
 from ..request import Request
-from ..streaming import ChunkSchedule, Metrics, SpeechStream
+from ..runaway import CANCELLED
+from ..streaming import ChunkSchedule, Metrics, Segment, SpeechStream
 from .formats import Encoder
 from .metrics import ServerMetrics
 
@@ -51,6 +52,22 @@ class Outcome:
     # what kind of failure: "text_timeout" (live text stopped arriving), "invalid_text" (live text
     # the engine refused, e.g. empty), None (an internal error)
     error_code: str | None = None
+    # why generation ended (kazeia/runaway.py): "eos", "length", "guard" or "cancelled"; None if it failed
+    finish_reason: str | None = None
+    segments: tuple[Segment, ...] = ()  # the text's segments that were spoken, with their samples
+
+
+def segment_fields(segment: Segment) -> dict:
+    """A segment as the JSON of an SSE / WebSocket event."""
+    return {
+        "index": segment.index,
+        "text": segment.text,
+        "start_s": segment.start_s,
+        "end_s": segment.end_s,
+        "start_sample": segment.start_sample,
+        "end_sample": segment.end_sample,
+        "finish_reason": segment.finish_reason,
+    }
 
 
 @dataclass(frozen=True)
@@ -115,14 +132,15 @@ class Job:
         stream = self.stream
         self.frames_at_cancel = stream.frames_generated if stream is not None else 0
 
-    async def outcomes(self) -> AsyncIterator[bytes | Outcome]:
-        """On the event loop: the job's bytes as they come, then its Outcome; leaving early cancels it."""
+    async def outcomes(self) -> AsyncIterator[bytes | Segment | Outcome]:
+        """On the event loop: the job's bytes and ended segments as they come, then its Outcome;
+        leaving early cancels it."""
         try:
             while True:
                 item = await self.events.get()
                 if isinstance(item, Outcome):
                     self.finished = True
-                else:
+                elif isinstance(item, bytes):
                     with self._room:
                         self._buffered -= len(item)
                         self._room.notify()
@@ -133,7 +151,7 @@ class Job:
             self.cancel()
 
     def put(self, item) -> None:
-        """From the worker thread: hand bytes or the Outcome to the event loop. Bytes wait for room
+        """From the worker thread: hand bytes, a Segment or the Outcome to the event loop. Bytes wait for room
         under `max_buffered`; past the stall bounds (the class docstring) the job is cancelled instead."""
         if isinstance(item, bytes):
             with self._room:
@@ -218,7 +236,8 @@ class Worker:
             except queue.Empty:
                 break
             job.cancel()
-            self._end(job, Outcome("cancelled", 0, time.perf_counter() - job.arrived, None, None), frames=0)
+            waited = time.perf_counter() - job.arrived
+            self._end(job, Outcome("cancelled", 0, waited, None, None, finish_reason=CANCELLED), frames=0)
 
     # -- worker thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -239,7 +258,7 @@ class Worker:
         started = time.perf_counter()
         queue_s = started - job.arrived
         if job.cancelled:
-            self._end(job, Outcome("cancelled", 0, queue_s, None, None), frames=0)
+            self._end(job, Outcome("cancelled", 0, queue_s, None, None, finish_reason=CANCELLED), frames=0)
             return
         stream: SpeechStream | None = None
         samples, ttfb = 0, None
@@ -257,13 +276,18 @@ class Worker:
                         self.metrics.ttfb.observe(ttfb)
                     if data:
                         job.put(data)
+                    if len(job.request.parts) > 1:  # a long text: each segment as soon as its audio is out
+                        for segment in chunk.segments:
+                            job.put(segment)
+            segments = tuple(stream.segments)
             if job.cancelled:
-                outcome = Outcome("cancelled", samples, queue_s, ttfb, None)
+                outcome = Outcome("cancelled", samples, queue_s, ttfb, None, finish_reason=CANCELLED, segments=segments)
             else:
                 tail = job.encoder.finish()
                 if tail:
                     job.put(tail)
-                outcome = Outcome("completed", samples, queue_s, ttfb, stream.metrics)
+                reason = stream.finish_reason
+                outcome = Outcome("completed", samples, queue_s, ttfb, stream.metrics, None, None, reason, segments)
         except Exception as error:  # reported to this client; the server keeps serving
             code = _error_code(error, live=job.request.live is not None)
             if code is None:
@@ -287,9 +311,10 @@ class Worker:
             self.metrics.rtf.observe(outcome.metrics.rtf)
         self.records.append(JobRecord(job.id, outcome.status, frames, job.frames_at_cancel))
         log.info(
-            "utterance %d %s%s: %d frames, %.2f s audio, queued %.2f s, %.2f s work",
+            "utterance %d %s%s%s: %d frames, %.2f s audio, queued %.2f s, %.2f s work",
             job.id,
             outcome.status,
+            f" ({outcome.finish_reason})" if outcome.finish_reason else "",
             f" (its client took no audio for {job.stall_s:g} s)" if job.stalled else "",
             frames,
             outcome.samples / SAMPLE_RATE,
