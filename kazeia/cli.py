@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--language", help="language name or auto (default: auto)")
     say.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
     say.add_argument("--seed", type=int, help="sampling seed (same seed, same audio)")
+    _speed_arg(say)
     say.add_argument(
         "--non-streaming-mode",
         action=argparse.BooleanOptionalAction,
@@ -145,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     wyo.add_argument("--language", help="language (name or code) when a request names none (default: auto)")
     wyo.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
     wyo.add_argument("--seed", type=int, help="every utterance's seed: the same text, the same audio (default: random)")
+    _speed_arg(wyo)
     wyo.add_argument(
         "--zeroconf",
         nargs="?",
@@ -213,6 +215,15 @@ def _port(value: str) -> int:
     return port
 
 
+def _speed_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="pace of the speech, 0.25-4.0; the pitch stays (default: %(default)s, the audio untouched)",
+    )
+
+
 def _chunk_args(p: argparse.ArgumentParser, first: int, rest: int) -> None:
     p.add_argument("--first-chunk-frames", type=int, default=first, help="frames in the first streamed chunk")
     p.add_argument("--chunk-frames", type=int, default=rest, help="frames in each later streamed chunk")
@@ -258,6 +269,7 @@ def _say(args) -> int:
         instruct=args.instruct,
         seed=args.seed,
         non_streaming_mode=args.non_streaming_mode,
+        speed=args.speed,
         **sampling,
     )
     write_audio(args.output, speech.audio, speech.sample_rate)
@@ -304,6 +316,7 @@ def _say_streaming(engine, args, sampling) -> int:
         non_streaming_mode=args.non_streaming_mode,
         first_chunk_frames=args.first_chunk_frames,
         chunk_frames=args.chunk_frames,
+        speed=args.speed,
         **sampling,
     )
     with stream, contextlib.nullcontext(sys.stdout.buffer) if to_stdout else open_wav_writer(args.output) as sink:
@@ -398,7 +411,9 @@ def _wyoming(args) -> int:
     check_uri(args.uri)
     config = _server_config(args, None)
     sampling = {name: value for name, value in _sampling(args).items() if value is not None}
-    settings = WyomingSettings(args.voice, args.language, args.instruct, args.seed, sampling, args.idle_timeout)
+    settings = WyomingSettings(
+        args.voice, args.language, args.instruct, args.seed, sampling, args.idle_timeout, speed=args.speed
+    )
     logging.basicConfig(format="%(levelname)s: %(name)s: %(message)s", level=args.log_level.upper())
     service = WyomingService(_load(args), config, settings)
     asyncio.run(service.run(args.uri, args.zeroconf))

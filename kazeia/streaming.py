@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .speed import TimeStretch
 from .vocoder import Vocoder, VocoderState
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
@@ -29,8 +30,8 @@ _DONE = object()
 class AudioChunk:
     """One piece of a stream."""
 
-    audio: np.ndarray  # (frames * 1920,) float32 mono, 24 kHz
-    start_sample: int  # offset of audio[0] in the whole utterance
+    audio: np.ndarray  # float32 mono, 24 kHz: frames * 1920 samples at speed 1 (else stretched)
+    start_sample: int  # offset of audio[0] in the whole utterance (output samples)
     frames: int  # code frames in this chunk (0 only for an empty closing chunk)
     is_last: bool  # no chunk follows
 
@@ -40,7 +41,7 @@ class Metrics:
     """Timing of one synthesis, streamed or not (a stream's is complete once it is exhausted)."""
 
     frames: int  # code frames generated (80 ms each)
-    audio_s: float  # seconds of audio produced
+    audio_s: float  # seconds of audio produced (at the requested speed)
     wall_s: float  # seconds from the call to the last sample
     rtf: float  # real-time factor: wall_s / audio_s (below 1 is faster than real time)
     prefill_s: float  # seconds from the call to the first generated frame
@@ -116,10 +117,13 @@ class SpeechStream:
         started: float,
         state: VocoderState | None = None,
         live=None,
+        speed: float = 1.0,
     ):
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
-        `live`: the stream's `LiveText` when its text is still arriving (for the metrics)."""
+        `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
+        `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`."""
         self._live = live
+        self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
         self.metrics: Metrics | None = None  # set once the last chunk is out
         self.codes: np.ndarray | None = None  # (frames, 16) int64, set once the last chunk is out
         self._vocoder, self._schedule, self._seed, self._started = vocoder, schedule, seed, started
@@ -188,6 +192,10 @@ class SpeechStream:
             samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
         else:  # the end became known only after the previous chunk went out
             samples = np.zeros(0, dtype=np.float32)
+        if self._stretch is not None:  # what the stretch can give so far; all the rest at the end
+            samples = self._stretch.push(samples)
+            if is_last:
+                samples = np.concatenate([samples, self._stretch.flush()])
         chunk = AudioChunk(samples, self._samples, len(frames), is_last)
         self._codes += frames
         self._chunks += 1

@@ -140,3 +140,143 @@ def test_push_after_flush_is_an_error():
     ts.flush()
     with pytest.raises(RuntimeError, match="push after flush"):
         ts.push(np.zeros(10, np.float32))
+
+
+# -- `speed` through the engine, the CLI and the servers (tiny random checkpoint) --------------
+TEXT = "Speed changes the pace of speech."
+OPTIONS = dict(voice="serena", language="english", seed=11, max_new_tokens=14, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines["0.6B-custom"]
+
+
+@pytest.fixture(scope="module")
+def normal(engine):
+    return engine.synthesize(TEXT, **OPTIONS)
+
+
+def test_speed_one_leaves_the_audio_untouched(engine, normal):
+    for one in (1, 1.0):
+        again = engine.synthesize(TEXT, speed=one, **OPTIONS)
+        assert again.audio.tobytes() == normal.audio.tobytes()
+    chunks = list(engine.stream(TEXT, speed=1.0, chunk_frames=3, **OPTIONS))
+    assert all(len(c.audio) == 1920 * c.frames for c in chunks)  # the vocoder's samples, none held back
+    np.testing.assert_allclose(np.concatenate([c.audio for c in chunks]), normal.audio, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_engine_speed_is_the_stretch_of_the_same_speech(engine, normal, speed):
+    fast = engine.synthesize(TEXT, speed=speed, **OPTIONS)
+    np.testing.assert_array_equal(fast.codes, normal.codes)  # the same speech, only its pace changed
+    assert len(fast.audio) == output_length(len(normal.audio), speed)
+    np.testing.assert_allclose(fast.audio, stretch(normal.audio, speed), atol=1e-5, rtol=0)
+    assert fast.metrics.audio_s == pytest.approx(len(normal.audio) / SAMPLE_RATE / speed, rel=1e-3)
+
+
+@pytest.mark.parametrize(("first", "rest"), [(1, 1), (1, 4), (3, 2)])
+def test_engine_stream_at_speed_equals_offline(engine, first, rest):
+    offline = engine.synthesize(TEXT, speed=1.5, **OPTIONS)
+    stream = engine.stream(TEXT, speed=1.5, first_chunk_frames=first, chunk_frames=rest, **OPTIONS)
+    chunks = list(stream)
+    starts = np.cumsum([0] + [len(c.audio) for c in chunks[:-1]])
+    assert [c.start_sample for c in chunks] == list(starts) and chunks[-1].is_last
+    streamed = np.concatenate([c.audio for c in chunks])
+    assert len(streamed) == len(offline.audio)
+    np.testing.assert_allclose(streamed, offline.audio, atol=1e-5, rtol=0)
+    assert stream.metrics.audio_s == len(streamed) / SAMPLE_RATE
+    assert sum(1 for c in chunks if len(c.audio)) > 1  # audio came out while generating
+
+
+def test_engine_refuses_a_bad_speed(engine):
+    from kazeia.errors import RequestError
+
+    for bad in (0.1, 5, "2"):
+        with pytest.raises(RequestError, match="speed must be a number from 0.25 to 4.0") as refused:
+            engine.synthesize(TEXT, speed=bad, **OPTIONS)
+        assert refused.value.field == "speed"
+
+
+def test_openai_client_speed(engine):
+    openai = pytest.importorskip("openai")
+    from server_support import LiveServer, assert_pcm_close
+
+    from kazeia.audio import pcm16
+    from kazeia.server import ServerConfig, create_app
+
+    expected = pcm16(engine.synthesize(TEXT, speed=1.5, **OPTIONS).audio)
+    extra = {k: OPTIONS[k] for k in ("language", "seed", "max_new_tokens", "ignore_eos")}
+    with LiveServer(create_app(engine, ServerConfig("tiny"))) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        got = client.audio.speech.create(
+            model="tiny", voice="serena", input=TEXT, speed=1.5, response_format="pcm", extra_body=extra
+        )
+        assert_pcm_close(got.content, expected)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.audio.speech.create(model="tiny", voice="serena", input=TEXT, speed=4.5, extra_body=extra)
+    error = refused.value.body
+    assert refused.value.status_code == 400 and error["param"] == "speed"
+    assert "0.25" in error["message"] and "4.0" in error["message"]
+
+
+def test_websocket_session_speed(engine):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from server_support import assert_pcm_close, offline_pcm
+    from server_support import ws_receive as receive
+
+    from kazeia.server import ServerConfig, create_app
+
+    session = {k: v for k, v in OPTIONS.items()} | {"speed": 0.75}
+    with TestClient(create_app(engine, ServerConfig("tiny"))) as client:
+        with client.websocket_connect("/v1/audio/speech/stream") as ws:
+            ws.send_json({"type": "session.update", "session": session})
+            assert receive(ws)["session"]["speed"] == 0.75
+            ws.send_json({"type": "input_text", "text": TEXT})
+            pcm, message = b"", receive(ws)
+            while not (isinstance(message, dict) and message["type"] == "audio.done"):
+                pcm += message if isinstance(message, bytes) else b""
+                message = receive(ws)
+    assert_pcm_close(pcm, offline_pcm(engine, TEXT, **session))
+    assert message["metrics"]["samples"] * 2 == len(pcm)
+
+
+def test_cli_say_speed(tiny_checkpoints, engine, tmp_path, capsys):
+    from kazeia.cli import main
+
+    out = tmp_path / "fast.wav"
+    args = ["say", TEXT, "--model", str(tiny_checkpoints["0.6B-custom"]), "--voice", "serena", "--language",
+            "english", "--seed", "11", "--max-new-tokens", "14", "--ignore-eos"]  # fmt: skip
+    assert main([*args, "--speed", "2", "-o", str(out)]) == 0
+    audio, _ = sf.read(out, dtype="int16")
+    expected = engine.synthesize(TEXT, speed=2, **OPTIONS).audio
+    assert len(audio) == len(expected)
+    np.testing.assert_allclose(audio / 32767, expected, atol=2 / 32767)
+    streamed = tmp_path / "streamed.wav"
+    assert main([*args, "--speed", "2", "--stream", "-o", str(streamed)]) == 0
+    np.testing.assert_allclose(sf.read(streamed, dtype="int16")[0], audio, atol=1)
+    assert main([*args, "--speed", "9", "-o", str(out)]) == 2
+    assert "speed must be a number from 0.25 to 4.0" in capsys.readouterr().err
+
+
+def test_wyoming_speed_option(engine):
+    pytest.importorskip("wyoming")
+    import asyncio
+
+    from server_support import assert_pcm_close, offline_pcm
+    from test_wyoming import audio_of, read_until, serve
+    from wyoming.tts import Synthesize, SynthesizeVoice
+
+    sampling = dict(ignore_eos=True, max_new_tokens=14)
+
+    async def speak(live) -> bytes:
+        async with live.client() as client:
+            await client.write_event(Synthesize(text=TEXT, voice=SynthesizeVoice(name="serena")).event())
+            return audio_of(await read_until(client, "audio-stop"))
+
+    with serve(engine, dict(seed=11, speed=2.0, language="english", sampling=sampling)) as live:
+        pcm = asyncio.run(speak(live))
+    assert_pcm_close(pcm, offline_pcm(engine, TEXT, **OPTIONS, speed=2.0))
+    with pytest.raises(ValueError, match="speed must be a number from 0.25 to 4.0"):
+        serve(engine, dict(speed=5.0, sampling=sampling))
