@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     say.add_argument("--language", help="language name or auto (default: auto)")
     say.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
     say.add_argument("--seed", type=int, help="sampling seed (same seed, same audio)")
+    _speed_arg(say)
     say.add_argument(
         "--non-streaming-mode",
         action=argparse.BooleanOptionalAction,
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     wyo.add_argument("--language", help="language (name or code) when a request names none (default: auto)")
     wyo.add_argument("--instruct", help="style instruction (1.7B CustomVoice) or voice description (VoiceDesign)")
     wyo.add_argument("--seed", type=int, help="every utterance's seed: the same text, the same audio (default: random)")
+    _speed_arg(wyo)
     wyo.add_argument(
         "--zeroconf",
         nargs="?",
@@ -246,6 +248,15 @@ def _port(value: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 1 to 65535, not {port}")
     return port
+
+
+def _speed_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="pace of the speech, 0.25-4.0; the pitch stays (default: %(default)s, the audio untouched)",
+    )
 
 
 def _chunk_args(p: argparse.ArgumentParser, first: int, rest: int) -> None:
@@ -380,7 +391,9 @@ def _wyoming(args) -> int:
     check_uri(args.uri)
     config = _server_config(args, None)
     sampling = {name: value for name, value in _sampling(args).items() if value is not None}
-    settings = WyomingSettings(args.voice, args.language, args.instruct, args.seed, sampling, args.idle_timeout)
+    settings = WyomingSettings(
+        args.voice, args.language, args.instruct, args.seed, sampling, args.idle_timeout, speed=args.speed
+    )
     logging.basicConfig(format="%(levelname)s: %(name)s: %(message)s", level=args.log_level.upper())
     service = WyomingService(_load(args), config, settings)
     asyncio.run(service.run(args.uri, args.zeroconf))

@@ -38,7 +38,8 @@ from .request import Part, Request, Rules, TextSource, bounded, build_request, r
 from .runaway import CANCELLED, Guard, overall
 from .sampling import SamplingKwargs, SamplingOptions
 from .segment import LongTextOptions
-from .streaming import ChunkSchedule, Metrics, Segment, SpeechStream
+from .speed import stretch
+from .streaming import ChunkSchedule, Metrics, Segment, SpeechStream, at_speed
 from .text import TextTokenizer
 from .vocoder import OFFLINE_BLOCK, Vocoder
 from .voices import Cloner, Priming, Voice
@@ -198,6 +199,7 @@ class Engine:
         non_streaming_mode: bool | None = None,
         reference_chunked_decode: bool = False,
         long_text: LongTextOptions | None = None,
+        speed: float = 1.0,
         **sampling: Unpack[SamplingKwargs],
     ) -> Speech:
         """Synthesize `text`; `sampling` takes the `SamplingOptions` fields (reference names).
@@ -206,6 +208,10 @@ class Engine:
         other, as one utterance (kazeia/segment.py); every segment is held to a frame budget by the
         runaway guard (kazeia/runaway.py). `speech.segments` says where each one lies and why it
         ended; `LongTextOptions(segment=False, guard=False)` turns both off.
+
+        `speed` (0.25-4.0) changes the pace, not the pitch (kazeia/speed.py): n samples of speech
+        become floor(n / speed + 1/2); 1.0 (the default) returns the vocoder's samples untouched.
+        Segment times are then in output time too.
 
         The audio is one exact causal decode of all codes, made side by side with the generation:
         the vocoder decodes each block of OFFLINE_BLOCK frames in this thread while the next ones
@@ -223,7 +229,7 @@ class Engine:
             raise RequestError("text", f"text must be a string, got {type(text).__name__}")
         start = time.perf_counter()
         request = self.request(
-            text, voice, language, instruct, seed, non_streaming_mode, long_text=long_text, **sampling
+            text, voice, language, instruct, seed, non_streaming_mode, long_text=long_text, speed=speed, **sampling
         )
         ref = request.cond.reference_codes
         if reference_chunked_decode:  # all frames first, then the reference's decode
@@ -241,6 +247,9 @@ class Engine:
                 audio = self.decode(codes, reference_chunked=True)
             else:
                 audio = self._priming.reference_chunked(ref, codes)
+            if request.speed != 1.0:
+                audio = stretch(audio, request.speed, self.vocoder.cfg.sample_rate)
+                segments = [at_speed(segment, request.speed) for segment in segments]
         else:
             blocks = ChunkSchedule(OFFLINE_BLOCK, OFFLINE_BLOCK)
             with self.stream_request(request, blocks, started=start) as stream:
@@ -248,11 +257,12 @@ class Engine:
             assert stream.metrics is not None and stream.codes is not None  # the last chunk is out
             codes, prefill_s = torch.from_numpy(stream.codes), stream.metrics.prefill_s
             segments = stream.segments
-            if ref is not None:  # the reference samples the reference package's cut keeps, if any
-                pieces.insert(0, self._priming.lead(ref, codes.shape[0]))
+            if ref is not None and request.speed == 1.0:  # the reference samples the reference package's
+                pieces.insert(0, self._priming.lead(ref, codes.shape[0]))  # cut keeps (0 or 1), at speed 1
             audio = np.concatenate(pieces).astype(np.float32, copy=False)
-        lead = len(audio) - codes.shape[0] * self.vocoder.cfg.samples_per_frame  # ICL: reference samples kept
-        segments = [_shifted(segment, lead) for segment in segments]
+        if request.speed == 1.0:  # ICL: the reference samples kept before the audio (0 or 1)
+            lead = len(audio) - codes.shape[0] * self.vocoder.cfg.samples_per_frame
+            segments = [_shifted(segment, lead) for segment in segments]
         wall = time.perf_counter() - start
         rate = self.vocoder.cfg.sample_rate
         audio_s = len(audio) / rate
@@ -273,6 +283,7 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
         text_deadline: float | None = None,
         long_text: LongTextOptions | None = None,
+        speed: float = 1.0,
         **sampling: Unpack[SamplingKwargs],
     ) -> SpeechStream:
         """Like `synthesize`, but yields `AudioChunk`s while generating (a long text's segments in
@@ -290,7 +301,9 @@ class Engine:
         (empty or blank deltas do not count) for longer than `text_timeout` seconds, or whose text
         has not ended `text_deadline` seconds after the stream started waiting for it, fails the
         stream (None: no limit). `should_stop`: polled before each
-        frame; True ends the stream early (an alternative to `close()`).
+        frame; True ends the stream early (an alternative to `close()`). `speed`: as `synthesize`'s;
+        the stretch carries its state from chunk to chunk, so the audio is `synthesize`'s whatever
+        the schedule (each chunk lacks what the stretch still holds back, up to ~60 ms, until the next).
         """
         started = time.perf_counter()
         schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
@@ -304,6 +317,7 @@ class Engine:
             text_timeout=text_timeout,
             text_deadline=text_deadline,
             long_text=long_text,
+            speed=speed,
             **sampling,
         )
         return self.stream_request(request, schedule, should_stop, started)
@@ -326,6 +340,7 @@ class Engine:
             time.perf_counter() if started is None else started,
             state,
             request.live,
+            request.speed,
         )
 
     def request(
@@ -340,12 +355,13 @@ class Engine:
         text_deadline: float | None = None,
         position_limit: int | None = None,
         long_text: LongTextOptions | None = None,
+        speed: float = 1.0,
         **sampling: Unpack[SamplingKwargs],
     ) -> Request:
         """Validate a call's arguments and resolve names to ids (kazeia/request.py): a `Request`
         for `frames` or `stream_request`; raises RequestError on anything wrong. A text source
         (not a string) starts being read now. `position_limit`: a bound of the caller's (a
-        server's) on prompt + max_new_tokens, below the model's own."""
+        server's) on prompt + max_new_tokens, below the model's own. `speed`: the pace of its audio."""
         return build_request(
             self.rules,
             text,
@@ -358,6 +374,7 @@ class Engine:
             instruct=instruct,
             seed=seed,
             non_streaming_mode=non_streaming_mode,
+            speed=speed,
             **sampling,
         )
 

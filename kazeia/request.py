@@ -20,6 +20,7 @@ from .live import LiveText, TextFeed, as_feed
 from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, has_text, prompt_positions
 from .sampling import SamplingOptions
 from .segment import LongTextOptions, split_text
+from .speed import check_speed
 from .text import TextTokenizer
 from .voices import Voice, VoiceModel
 
@@ -86,6 +87,7 @@ class Request:
     position_limit: int | None = None  # a caller's bound on prompt + max_new_tokens (a server's)
     parts: tuple[Part, ...] = ()  # a whole text's segments, spoken one after the other (live text: none)
     long_text: LongTextOptions = LongTextOptions()  # segmentation and the runaway guard
+    speed: float = 1.0  # pace of the audio (kazeia/speed.py); 1.0: the vocoder's samples untouched
 
     @property
     def guarded(self) -> bool:
@@ -101,10 +103,15 @@ def validate_options(
     instruct: str | None = None,
     seed: int | None = None,
     non_streaming_mode: bool | None = None,
+    speed: float = 1.0,
     **sampling,
 ) -> Request:
     """Everything but the text, checked and resolved: a `Request` with no text ids yet (a random
     seed is drawn when none is given)."""
+    try:
+        speed = check_speed(speed)
+    except ValueError as e:
+        raise RequestError("speed", str(e)) from None
     cond = _conditioning(rules, voice, language, instruct)
     options = _sampling(rules.defaults, sampling)
     if non_streaming_mode is None:
@@ -117,7 +124,7 @@ def validate_options(
         seed = int.from_bytes(os.urandom(6), "little")
     elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED:
         raise RequestError("seed", f"seed must be an integer in [0, 2**63), got {seed!r}")
-    return Request((), cond, options, non_streaming_mode, seed)
+    return Request((), cond, options, non_streaming_mode, seed, speed=speed)
 
 
 def build_request(

@@ -43,6 +43,7 @@ def say(engine, args, sampling: dict) -> int:
         instruct=args.instruct,
         seed=args.seed,
         non_streaming_mode=args.non_streaming_mode,
+        speed=args.speed,
         **sampling,
     )
     # --stream: the smallest chunks for the first audio; else the offline blocks (synthesize's audio).

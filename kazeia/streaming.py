@@ -19,12 +19,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from .runaway import CANCELLED, overall
+from .speed import TimeStretch, output_length
 from .vocoder import Vocoder, VocoderState
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
@@ -51,12 +52,21 @@ class Segment:
         return self.end_sample / self.sample_rate
 
 
+def at_speed(segment: Segment, speed: float) -> Segment:
+    """A segment's samples in output time at `speed`: the stretch's length rule (speed.py) applied
+    to its ends (exact for the utterance's end; within the stretch's window, ~25 ms, at joins)."""
+    if speed == 1.0:
+        return segment
+    start, end = (output_length(n, speed) for n in (segment.start_sample, segment.end_sample))
+    return replace(segment, start_sample=start, end_sample=end)
+
+
 @dataclass(frozen=True)
 class AudioChunk:
     """One piece of a stream."""
 
-    audio: np.ndarray  # (frames * 1920,) float32 mono, 24 kHz
-    start_sample: int  # offset of audio[0] in the whole utterance
+    audio: np.ndarray  # float32 mono, 24 kHz: frames * 1920 samples at speed 1 (else stretched)
+    start_sample: int  # offset of audio[0] in the whole utterance (output samples)
     frames: int  # code frames in this chunk (0 only for an empty closing chunk)
     is_last: bool  # no chunk follows
     segments: tuple[Segment, ...] = ()  # segments that ended (their last sample is out) by this chunk's end
@@ -67,7 +77,7 @@ class Metrics:
     """Timing of one synthesis, streamed or not (a stream's is complete once it is exhausted)."""
 
     frames: int  # code frames generated (80 ms each)
-    audio_s: float  # seconds of audio produced
+    audio_s: float  # seconds of audio produced (at the requested speed)
     wall_s: float  # seconds from the call to the last sample
     rtf: float  # real-time factor: wall_s / audio_s (below 1 is faster than real time)
     prefill_s: float  # seconds from the call to the first generated frame
@@ -144,10 +154,14 @@ class SpeechStream:
         started: float,
         state: VocoderState | None = None,
         live=None,
+        speed: float = 1.0,
     ):
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
-        `live`: the stream's `LiveText` when its text is still arriving (for the metrics)."""
+        `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
+        `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`."""
         self._live = live
+        self._speed = speed
+        self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
         self.metrics: Metrics | None = None  # set once the last chunk is out
         self.codes: np.ndarray | None = None  # (frames, 16) int64, set once the last chunk is out
         self.segments: list[Segment] = []  # the segments that have ended, in order
@@ -236,8 +250,13 @@ class SpeechStream:
             self._codes.append(codes)
         else:  # the end became known only after the previous chunk went out
             samples = np.zeros(0, dtype=np.float32)
-        chunk = AudioChunk(samples, self._samples, len(frames), is_last, tuple(self._ended))
-        self.segments += self._ended
+        if self._stretch is not None:  # what the stretch can give so far; all the rest at the end
+            samples = self._stretch.push(samples)
+            if is_last:
+                samples = np.concatenate([samples, self._stretch.flush()])
+        ended = tuple(at_speed(segment, self._speed) for segment in self._ended)
+        chunk = AudioChunk(samples, self._samples, len(frames), is_last, ended)
+        self.segments += ended
         self._ended = []
         self._frames += len(frames)
         self._chunks += 1

@@ -18,12 +18,13 @@ import soundfile as sf
 ESPEAK_RATE = 22050  # Hz, espeak-ng's output rate
 
 
-def espeak(path: Path, text: str, voice: str = "en", samples: int | None = None) -> Path:
-    """Speak `text` into the WAV file `path` (22050 Hz), cut or padded to `samples` samples."""
+def espeak(path: Path, text: str, voice: str = "en", samples: int | None = None, rate: int = 150) -> Path:
+    """Speak `text` into the WAV file `path` (22050 Hz) at `rate` words per minute, cut or padded
+    to `samples` samples."""
     exe = shutil.which("espeak-ng")
     if exe is None:
         pytest.skip("espeak-ng is not installed (Debian package espeak-ng; scripts/install.sh --test installs it)")
-    subprocess.run([exe, "-v", voice, "-s", "150", "-w", str(path), text], check=True, capture_output=True)
+    subprocess.run([exe, "-v", voice, "-s", str(rate), "-w", str(path), text], check=True, capture_output=True)
     audio, rate = sf.read(path, dtype="float32")
     assert rate == ESPEAK_RATE and audio.ndim == 1
     if samples is not None:

@@ -142,6 +142,7 @@ class WyomingSettings:
     seed: int | None = None  # every utterance's seed: the same text gives the same audio (None: random)
     sampling: dict = field(default_factory=dict)  # SamplingOptions fields, e.g. {"temperature": 0.7}
     idle_s: float = 300.0  # a connection with nothing generating for this long is closed
+    speed: float = 1.0  # pace of every utterance, 0.25-4.0 (kazeia/speed.py); 1.0: untouched
 
     def __post_init__(self) -> None:
         _check_seconds("idle_s", self.idle_s)

@@ -2,7 +2,7 @@
 
 The speech body takes OpenAI's fields (`model`, `input`, `voice`, `instructions`, `response_format`,
 `speed`, `stream_format`) and Kazeia's extensions (`stream`, `language`, `seed`, `non_streaming_mode`
-and every `SamplingOptions` field under its own name). A WebSocket session takes the same voice and
+and every `SamplingOptions` field under its own name). A WebSocket session takes the same voice, `speed` and
 extension fields. Unknown fields are refused, never ignored. The engine does the model-specific
 validation (voices, languages, option types); this module adds the server's `Limits`, and on Base
 checkpoints turns a `voice` name into the saved voice of that name (never into a file path).
@@ -27,11 +27,10 @@ from .formats import UNSUPPORTED, AudioFormat
 if TYPE_CHECKING:
     from .voices import VoiceStore
 
-ENGINE_FIELDS = ("language", "seed", "non_streaming_mode", *SamplingOptions.names())
+ENGINE_FIELDS = ("language", "seed", "non_streaming_mode", "speed", *SamplingOptions.names())
 SESSION_FIELDS = ("voice", "instructions", *ENGINE_FIELDS)
-SPEECH_FIELDS = ("model", "input", "response_format", "speed", "stream_format", "stream", *SESSION_FIELDS)
+SPEECH_FIELDS = ("model", "input", "response_format", "stream_format", "stream", *SESSION_FIELDS)
 STREAM_FORMATS = ("audio", "sse")
-SPEED_RANGE = (0.25, 4.0)  # OpenAI's range for `speed`
 CAPPED = {  # option -> the Limits field bounding it from above
     "max_new_tokens": "max_new_tokens",
     "temperature": "max_temperature",
@@ -65,7 +64,6 @@ def speech_body(
         )
     text = _string(body, "input", config.limits.max_input_chars, required=True)
     audio_format = _format(body.get("response_format"), formats)
-    _speed(body.get("speed"))
     stream_format = body.get("stream_format", "audio")
     if stream_format not in STREAM_FORMATS:
         raise ApiError(
@@ -185,21 +183,6 @@ def _format(value, formats: dict[str, AudioFormat]) -> AudioFormat:
         param="response_format",
         code="unsupported_format",
     )
-
-
-def _speed(value) -> None:
-    if value is None:
-        return
-    low, high = SPEED_RANGE
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ApiError(400, f"speed must be a number from {low} to {high}, got {value!r}", param="speed")
-    if value != 1.0:
-        raise ApiError(
-            400,
-            f"speed {value} is not supported: this server does not time-stretch speech; send speed 1.0 or leave it out",
-            param="speed",
-            code="unsupported_value",
-        )
 
 
 def _apply_limits(options: dict, limits: Limits) -> None:

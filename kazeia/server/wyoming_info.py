@@ -52,7 +52,8 @@ class Catalog:
         no_voice = engine.model_type == "base" and self.default_voice() is None  # none saved yet
         try:
             language = None if settings.language is None else self.language(settings.language)
-            body = {"language": language, "instructions": settings.instruct, "seed": settings.seed, **settings.sampling}
+            body = {"language": language, "instructions": settings.instruct, "seed": settings.seed}
+            body.update(speed=settings.speed, **settings.sampling)
             refuse_unknown(body, SESSION_FIELDS, "the server's options")
             voice = None if no_voice else self.voice(None, None)
             options = session_options({**body, "voice": voice}, engine, config.limits, voices, check=not no_voice)
