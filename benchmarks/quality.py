@@ -1,8 +1,11 @@
 """Quality guard on a real-size random checkpoint: each reduced precision against float32.
 
-    python benchmarks/quality.py [--size 0.6B] [--dtypes bfloat16,float16,int8] [--frames 50]
+    python benchmarks/quality.py [--size 0.6B] [--dtypes bfloat16,float16,int8,int4,q4_k_m] [--frames 50]
 
-(`DTYPE/VOCODER_DTYPE` in `--dtypes` also runs the vocoder reduced, e.g. `bfloat16/bfloat16`.)
+(`DTYPE/VOCODER_DTYPE` in `--dtypes` also runs the vocoder reduced, e.g. `bfloat16/bfloat16`;
+`q4_k_m` is the float32 model with GGML's Q4_K_M weights and its products' inputs rounded to Q8_K,
+as a GGML engine computes on the CPU; `q4_k_m/exact` keeps the activations exact; both from
+kazeia/testing/ggml.py: int4's yardstick.)
 
 Teacher-forced talker and code-predictor logits (relative error, top-1 agreement), free-running
 greedy code agreement, and vocoder SNR; then int8's errors as a multiple of bfloat16's (the yardstick:
@@ -21,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, precisions, real_checkpoint
 
 from kazeia import Engine
+from kazeia.testing.ggml import apply_q4_k_m
 from kazeia.testing.quality import compare
 
 TEXT = "The quality guard compares every precision with float32 on the same codes."
@@ -29,7 +33,7 @@ TEXT = "The quality guard compares every precision with float32 on the same code
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
-    parser.add_argument("--dtypes", default="bfloat16,float16,int8")
+    parser.add_argument("--dtypes", default="bfloat16,float16,int8,int4,q4_k_m,q4_k_m/exact")
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -37,7 +41,11 @@ def main() -> None:
     baseline = Engine.load(path)
     results = {}
     for dtype in args.dtypes.split(","):
-        engine = Engine.load(path, **precisions(dtype))
+        if dtype.startswith("q4_k_m"):
+            engine = Engine.load(path)
+            apply_q4_k_m(engine.model, "float" if dtype.endswith("/exact") else "q8_k")
+        else:
+            engine = Engine.load(path, **precisions(dtype))
         results[dtype] = asdict(compare(engine, baseline, TEXT, args.frames, voice="serena"))
     print(f"{args.size} CustomVoice, real dimensions, random weights, {args.frames} frames; {json.dumps(machine())}")
     keys = list(next(iter(results.values())))
@@ -49,6 +57,12 @@ def main() -> None:
         print(
             f"int8 / bfloat16 relative error: talker x{i['talker_rel_error'] / b['talker_rel_error']:.2f}, "
             f"code predictor x{i['predictor_rel_error'] / b['predictor_rel_error']:.2f} (target <= 2)"
+        )
+    if "int4" in results and "q4_k_m" in results:
+        i, g = results["int4"], results["q4_k_m"]
+        print(
+            f"int4 / Q4_K_M relative error: talker x{i['talker_rel_error'] / g['talker_rel_error']:.2f}, "
+            f"code predictor x{i['predictor_rel_error'] / g['predictor_rel_error']:.2f} (target <= 1)"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "results": results}, indent=2))

@@ -5,7 +5,7 @@ rebuilt as d * s * q - e * n: s (uint8) and n (int8) are its group's step and of
 (float32) its row's factors. That is 4.5 bits a weight (0.5625 bytes, against 1 for int8 and 2 for
 bfloat16); batch-1 generation reads every weight once a position, so its time follows those bytes
 (docs/design.md). The products run in kazeia/native/int4.c: activations are rounded to int8 per
-block of 256 on the fly and the codes multiplied in integers, one conversion to float per block;
+block of 128 on the fly and the codes multiplied in integers, one conversion to float per block;
 the offsets meet the exact float32 activations (the layout and arithmetic are described there).
 Summation per row is fixed, so a row's result does not depend on how many rows it is multiplied
 with.
@@ -35,8 +35,9 @@ GROUP = 32  # weights per step and offset
 UNIT = 64  # two groups: one 32-byte block of codes (kazeia/native/int4.c)
 LEVELS = 15  # codes 0..15
 STEPS, OFFSETS = 255, 127  # the grids of a group's step (uint8) and offset (int8)
-# The step search: (LEVELS + SHIFTS[i]) / (max - min) codes per unit of weight.
-SHIFTS = tuple(-1.0 + 0.125 * i for i in range(17))
+# The step search: (LEVELS + SHIFTS[i]) / (max - min) codes per unit of weight. Nine candidates
+# reach 7.04 % relative error on Gaussian weights, seventeen 7.02 %, one (min-max) 7.5 %.
+SHIFTS = tuple(-1.0 + 0.25 * i for i in range(9))
 CHUNK = 1 << 16  # rows x groups per quantization block (bounds the search's temporaries)
 
 
@@ -46,7 +47,7 @@ def supported(in_features: int) -> bool:
 
 def activation_block(cols: int) -> int:
     """Columns per activation step (int4_block in kazeia/native/int4.c)."""
-    return 256 if cols % 256 == 0 else UNIT
+    return 128 if cols % 128 == 0 else UNIT
 
 
 @torch.no_grad()
@@ -90,17 +91,19 @@ def quantize_weight(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 def _fit_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, 32) float32 -> the best step (>= 0) and offset of each group, float32 (N,) each."""
     low, high = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
-    span = (high - low).clamp(min=1e-30)
+    above = w - low  # >= 0
+    inverse_span = 1.0 / (high - low).clamp_(min=1e-30)
     n = float(GROUP)
     sum_x, sum_xx = w.sum(1), (w * w).sum(1)
     best_err = torch.full((w.shape[0],), float("inf"))
     best_d, best_mn = (high - low).squeeze(1) / LEVELS, low.squeeze(1)
+    q = torch.empty_like(w)
     for shift in SHIFTS:
-        q = torch.round((w - low) * ((LEVELS + shift) / span)).clamp_(0, LEVELS)
+        torch.mul(above, inverse_span * (LEVELS + shift), out=q).round_().clamp_(0, LEVELS)
         sum_q, sum_qq, sum_qx = q.sum(1), (q * q).sum(1), (q * w).sum(1)
         det = n * sum_qq - sum_q * sum_q
         ok = det > 0
-        safe = torch.where(ok, det, torch.ones_like(det))
+        safe = torch.where(ok, det, 1.0)
         d = (n * sum_qx - sum_q * sum_x) / safe
         mn = (sum_qq * sum_x - sum_q * sum_qx) / safe
         # the squared error of d * q + mn, expanded

@@ -5,8 +5,13 @@ algorithms of ggml-quants.c (the `gguf` package ships their dequantizers but not
 blocks are packed in GGML's byte layout and read back with `gguf.quants.dequantize`, so the
 weights a model gets are exactly what a GGML engine would multiply by (its activation rounding
 aside). Q4_K_M is the usual mix: Q4_K everywhere, Q6_K for the output heads and for the value
-projection and the MLP's down projection of the layers `use_more_bits` picks. Test and benchmark
-code only: needs `gguf` (MIT), which Kazeia does not depend on at run time.
+projection and the MLP's down projection of the layers `use_more_bits` picks.
+
+On the CPU a GGML engine multiplies k-quant weights by activations rounded to Q8_K (8 bits, one
+scale per 256 values: `quantize_row_q8_K_ref`); `apply_q4_k_m(..., activations="q8_k")` does the
+same to every product's input, so the model computes what such an engine computes, and
+`activations="float"` keeps them exact (a stricter yardstick than any GGML engine meets). Test
+and benchmark code only: needs `gguf` (MIT), which Kazeia does not depend on at run time.
 """
 
 from __future__ import annotations
@@ -163,10 +168,28 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+def q8_k(x: torch.Tensor) -> torch.Tensor:
+    """x (..., n) rounded as GGML's Q8_K does and read back: per block of 256 (of n when n is not
+    a multiple of 256: tiny test models), d = -max / 127 where max is the value of largest
+    magnitude, codes round(x / d) at most 127."""
+    n = x.shape[-1]
+    block = QK_K if n % QK_K == 0 else n
+    v = x.float().reshape(-1, block)
+    peak = v.gather(1, v.abs().argmax(dim=1, keepdim=True))
+    iscale = torch.where(peak != 0, -127.0 / torch.where(peak != 0, peak, 1.0), 0.0)
+    q = torch.round(v * iscale).clamp_(max=127)
+    d = torch.where(iscale != 0, 1.0 / torch.where(iscale != 0, iscale, 1.0), 0.0)
+    return (q * d).reshape(x.shape).to(x.dtype)
+
+
 @torch.no_grad()
-def apply_q4_k_m(model: nn.Module) -> None:
+def apply_q4_k_m(model: nn.Module, activations: str = "q8_k") -> None:
     """Replace, in place, every product weight of a loaded float32 TTSModel (projections fused)
-    and the text embedding by their Q4_K_M round trip."""
+    and the text embedding by their Q4_K_M round trip; with `activations="q8_k"` every product
+    also rounds its input to Q8_K first (the stacks then run their eager steps, where a module's
+    input passes through its hooks)."""
+    if activations not in ("q8_k", "float"):
+        raise ValueError(f"activations must be 'q8_k' or 'float', got {activations!r}")
     stacks = (model.talker, model.code_predictor)
     done: set[int] = set()
     for stack in stacks:
@@ -189,3 +212,10 @@ def apply_q4_k_m(model: nn.Module) -> None:
             continue  # codec embeddings: looked up, not multiplied; kept as they are
         head = "head" in name.rsplit(".", 1)[-1]
         module.weight.copy_(round_trip(weight, "Q6_K" if head else "Q4_K"))
+    if activations == "q8_k":
+        for stack in stacks:
+            stack.native_step = None  # the C glue calls the products' forward, past any hook
+        for module in model.modules():
+            if isinstance(getattr(module, "weight", None), torch.Tensor) and not isinstance(module, nn.Embedding):
+                if module.weight.dim() == 2:
+                    module.register_forward_pre_hook(lambda _, args: (q8_k(args[0]), *args[1:]))
