@@ -234,14 +234,32 @@ def is_head(name: str) -> bool:
     return name.endswith("codec_head") or ".lm_head." in f".{name}"
 
 
+def more_bits(layer: int, layers: int) -> bool:
+    """The talker layers whose MLP down projection keeps bfloat16: the first and last eighths and
+    every third between (the layers GGML's Q4_K_M gives 6 bits there)."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def wide_products(model: nn.Module) -> set[str]:
+    """Names of the products of a TTSModel that int4 keeps in bfloat16 (`HeadLinear`): the output
+    heads, and the talker's down projections in the `more_bits` layers. The talker runs once a
+    frame, the code predictor 15 times, so these cost ~8 % more bytes a frame for a talker closer
+    to float32 (BENCHMARKS.md)."""
+    names = {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and is_head(name)}
+    layers = len(model.talker.layers)
+    names |= {f"talker.layers.{i}.mlp.down_proj" for i in range(layers) if more_bits(i, layers)}
+    return names
+
+
 def quantize_linears(module: nn.Module, lib: ctypes.CDLL, after_each=None) -> None:
-    """Replace every nn.Linear inside `module` in place: the output heads (`is_head`) by
-    HeadLinears, the rest by Int4Linears (float32 ones where the width does not allow units of 64).
+    """Replace every nn.Linear of a TTSModel in place: the `wide_products` by HeadLinears, the rest
+    by Int4Linears (float32 ones where the width does not allow units of 64).
 
     The heads keep bfloat16: their error goes straight into the logits that pick every code, and
     at 4 bits it would double the talker's logit error (the quality guard, BENCHMARKS.md); GGML's
     Q4_K_M keeps its output weights at 6 bits for the same reason. They are ~6 % of the weights."""
-    heads = {id(m) for name, m in module.named_modules() if isinstance(m, nn.Linear) and is_head(name)}
+    wide = wide_products(module)
+    heads = {id(m) for name, m in module.named_modules() if name in wide}
 
     def convert(linear: nn.Linear) -> nn.Module:
         if id(linear) in heads:

@@ -134,17 +134,19 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib) -> None:
     file: the products become the modules of the stored values (QuantLinear; Int4Linear or, for the
     output heads, HeadLinear), the text embedding a QuantEmbedding, the rest is assigned strictly
     (a missing, unexpected or mis-shaped tensor names itself)."""
+    from . import int4
     from .checkpoint import assign
     from .model import SKIPPED_PREFIXES
     from .quant import QuantEmbedding
 
     tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(SKIPPED_PREFIXES))
+    wide = int4.wide_products(model) if dtype == "int4" else set()
     jobs = []  # (parent, attribute, a function making the product)
     for parent_name, parent in list(model.named_modules()):
         for child, linear in list(parent.named_children()):
             if isinstance(linear, nn.Linear):
                 name = f"{parent_name}.{child}" if parent_name else child
-                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib)))
+                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, name in wide)))
     # Packing the weights for the int8 GEMM is most of the time left; torch releases the GIL there.
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         made = list(pool.map(lambda job: job[2](), jobs))
@@ -162,9 +164,10 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib) -> None:
     assign(model, {**tensors, **built}, str(path))
 
 
-def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib):
+def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib, wide: bool):
     """The stored tensors of product `name` taken out of `tensors`, checked against the shape of
-    `linear`; returns a function that builds its module."""
+    `linear`; returns a function that builds its module. `wide`: an int4 product kept in bfloat16
+    (`int4.wide_products`)."""
     from . import int4
     from .quant import QuantLinear
 
@@ -179,12 +182,12 @@ def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dty
         if tuple(qweight.shape) != shape or tuple(scales.shape) != shape[:1] or qweight.dtype != torch.int8:
             raise wrong(f"{tuple(qweight.shape)} {qweight.dtype}", f"{shape} int8")
         return lambda: QuantLinear.from_int8(qweight, scales.float(), bias, lib)
-    if int4.is_head(name) or not int4.supported(linear.in_features):  # kept wide (int4.quantize_linears)
+    if wide or not int4.supported(linear.in_features):  # kept wide (int4.quantize_linears)
         weight = _take(tensors, f"{name}.weight", path)
-        wide = torch.bfloat16 if int4.is_head(name) else torch.float32
-        if tuple(weight.shape) != shape or weight.dtype != wide:
-            raise wrong(f"{tuple(weight.shape)} {weight.dtype}", f"{shape} {wide}")
-        if int4.is_head(name):
+        kind = torch.bfloat16 if wide else torch.float32
+        if tuple(weight.shape) != shape or weight.dtype != kind:
+            raise wrong(f"{tuple(weight.shape)} {weight.dtype}", f"{shape} {kind}")
+        if wide:
             return lambda: int4.HeadLinear(weight, bias, lib)
         plain = nn.Linear(shape[1], shape[0], bias=bias is not None, device="meta")
         plain.weight, plain.bias = nn.Parameter(weight), None if bias is None else nn.Parameter(bias)

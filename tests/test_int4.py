@@ -104,6 +104,8 @@ def test_the_engine_runs_int4_products(tiny_checkpoints):
     assert isinstance(model.talker.codec_head, HeadLinear)
     assert all(isinstance(h, HeadLinear) for h in model.code_predictor.lm_head)
     assert isinstance(model.talker.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(model.talker.layers[1].mlp.down_proj, HeadLinear)  # a `more_bits` layer of two
+    assert isinstance(model.code_predictor.layers[1].mlp.down_proj, Int4Linear)
     assert isinstance(model.talker.text_embedding, QuantEmbedding)
     assert model.talker.native_step is not None  # the C glue between the products
     a = engine.synthesize("Four bits.", voice="serena", **GREEDY)
@@ -114,6 +116,12 @@ def test_the_engine_runs_int4_products(tiny_checkpoints):
     b = engine.synthesize("Four bits.", voice="serena", **GREEDY)
     np.testing.assert_array_equal(a.codes, b.codes)
     np.testing.assert_array_equal(a.audio, b.audio)
+
+
+def test_the_layers_that_keep_more_bits():
+    # the 0.6B talker's 28 layers: the first and last eighths, and every third between
+    assert [i for i in range(28) if int4.more_bits(i, 28)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]
+    assert [i for i in range(28) if int4.more_bits(i, 28)] == [i for i in range(28) if ggml.use_more_bits(i, 28)]
 
 
 def test_int4_on_a_gpu_is_refused(tiny_checkpoints):

@@ -50,6 +50,7 @@ def test_a_prepared_checkpoint_speaks_exactly_like_its_source(tiny_checkpoints, 
         assert stored["talker.layers.0.self_attn.qkv_proj.qweight"].dtype == torch.uint8
         assert stored["talker.layers.0.self_attn.qkv_proj.offsets"].dtype == torch.int8
         assert stored["code_predictor.lm_head.3.weight"].dtype == torch.bfloat16
+        assert stored["talker.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16  # int4.wide_products
     else:
         assert {t.dtype for t in stored.values() if t.is_floating_point()} == {getattr(torch, dtype)}
     prepared = Engine.load(target)  # its own precision by default
