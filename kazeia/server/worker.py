@@ -156,8 +156,8 @@ class Job:
         if isinstance(item, bytes):
             with self._room:
                 began = time.monotonic()
-                frames = 0 if self.stream is None else self.stream.frames_generated
-                audio_s = frames * FRAME_S / self.request.speed  # the audio made so far, at its pace
+                # the audio made so far, at its pace (none before the stream starts)
+                audio_s = 0.0 if self.stream is None else self.stream.frames_generated * FRAME_S / self.request.speed
                 whole_job = self.stall_s + audio_s - self._waited  # what the job may still wait
                 until = began + min(self.stall_s, whole_job)
                 while self._buffered > 0 and self._buffered + len(item) > self.max_buffered:
