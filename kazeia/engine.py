@@ -387,26 +387,27 @@ class Engine:
                 yield item
 
     def timeline(
-        self, request: Request, should_stop: Callable[[], bool] | None = None
+        self, request: Request, should_stop: Callable[[], bool] | None = None, steps: generate.Steps = generate.SOLO
     ) -> Iterator[torch.Tensor | Segment]:
         """`frames`, each segment's last frame followed by its `Segment`. Segment k speaks with its
         own seed (request.Part), its own talker cache and prompt: the same voice, and with
         `carry_context` the previous segment's text and frames as in-context reference (a segment the
-        guard found looping is not continued). A segment the caller stops ends the utterance."""
+        guard found looping is not continued). A segment the caller stops ends the utterance.
+        `steps`: who runs the frame steps (generate.Steps; a scheduler's batch several requests)."""
         rate, per_frame = self.vocoder.cfg.sample_rate, self.vocoder.cfg.samples_per_frame
         start, previous = 0, None
         for index, part in enumerate(request.parts or (None,)):
             made: list[torch.Tensor] = []
             guard = None
             if part is None:  # live text: one segment, as long as max_new_tokens allows
-                reason = yield from _kept(self._live_frames(request, should_stop), made)
+                reason = yield from _kept(self._live_frames(request, should_stop, steps), made)
                 text = request.live.text if request.live is not None else ""
             else:
                 cond = _continued(request, previous)
                 prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
                 generator = torch.Generator(device=self.device).manual_seed(part.seed)
                 guard = Guard(part.budget, request.long_text.loop_frames) if request.guarded else None
-                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard)
+                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard, steps)
                 reason, text = (yield from _kept(frames, made)), part.text
             end = start + len(made) * per_frame
             yield Segment(index, text, start, end, reason, rate)
@@ -416,13 +417,13 @@ class Engine:
             start, previous = end, (None if looped else part, made)
 
     def _live_frames(
-        self, request: Request, should_stop: Callable[[], bool] | None
+        self, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
     ) -> Generator[torch.Tensor, None, str]:
         prompt = self._live_prompt(request, should_stop)
         if prompt is None:  # stopped while waiting for live text
             return CANCELLED
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        return (yield from generate.frames(self.model, prompt, request.options, generator, should_stop))
+        return (yield from generate.frames(self.model, prompt, request.options, generator, should_stop, None, steps))
 
     def _live_prompt(self, request: Request, should_stop: Callable[[], bool] | None) -> Prompt | None:
         live = request.live

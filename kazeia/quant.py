@@ -128,6 +128,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.reduce_range = needs_reduced_range()
         self.levels = 127 if self.reduce_range else 255  # steps of the GEMM's activation grid
+        self.lib = lib  # the native library (None: PyTorch operations only)
         self.native = None if lib is None else self._native_product(lib)
 
     @classmethod
