@@ -37,6 +37,7 @@ from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, Prompt, build_prompt, n
 from .request import Part, Request, Rules, TextSource, bounded, build_request, ref_text_ids
 from .runaway import CANCELLED, Guard, overall
 from .sampling import SamplingKwargs, SamplingOptions
+from .scheduler import Scheduler
 from .segment import LongTextOptions
 from .speed import stretch
 from .streaming import ChunkSchedule, Metrics, Segment, SpeechStream, at_speed
@@ -284,6 +285,7 @@ class Engine:
         text_deadline: float | None = None,
         long_text: LongTextOptions | None = None,
         speed: float = 1.0,
+        scheduler: Scheduler | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> SpeechStream:
         """Like `synthesize`, but yields `AudioChunk`s while generating (a long text's segments in
@@ -304,6 +306,8 @@ class Engine:
         frame; True ends the stream early (an alternative to `close()`). `speed`: as `synthesize`'s;
         the stretch carries its state from chunk to chunk, so the audio is `synthesize`'s whatever
         the schedule (each chunk lacks what the stretch still holds back, up to ~60 ms, until the next).
+        `scheduler`: generate it there, batched with other streams (`Engine.scheduler`); the same
+        codes and audio (kazeia/batch.py says which precisions differ from a stream without one).
         """
         started = time.perf_counter()
         schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
@@ -320,7 +324,7 @@ class Engine:
             speed=speed,
             **sampling,
         )
-        return self.stream_request(request, schedule, should_stop, started)
+        return self.stream_request(request, schedule, should_stop, started, scheduler)
 
     def stream_request(
         self,
@@ -328,12 +332,20 @@ class Engine:
         schedule: ChunkSchedule | None = None,
         should_stop: Callable[[], bool] | None = None,
         started: float | None = None,
+        scheduler: Scheduler | None = None,
     ) -> SpeechStream:
         """`stream` for a request validated before (`request`), e.g. by a server when it was queued."""
         ref = request.cond.reference_codes
         state = None if ref is None else self._priming.state(ref)
+        if scheduler is not None and scheduler.engine is not self:
+            raise ValueError("the scheduler belongs to another engine")
+        frames = (
+            (lambda stop: self.timeline(request, _either(stop, should_stop)))
+            if scheduler is None
+            else scheduler.source(request, should_stop)
+        )
         return SpeechStream(
-            lambda stop: self.timeline(request, _either(stop, should_stop)),
+            frames,
             self.vocoder,
             schedule or ChunkSchedule(),
             request.seed,
@@ -440,6 +452,12 @@ class Engine:
             embed = lambda token: self.model.talker.embed_text(torch.tensor([[token]], device=self.device))  # noqa: E731
             prompt.text_source = live_trailing(live, embed, prompt.eos, prompt.pad)
         return prompt
+
+    def scheduler(self, max_batch: int = 4, max_queue: int = 16) -> Scheduler:
+        """A scheduler generating up to `max_batch` streams of this engine together (one batched
+        frame step for all: kazeia/scheduler.py), `max_queue` more waiting first come first served.
+        Each stream's codes and audio do not depend on the others. Close it when done."""
+        return Scheduler(self, max_batch, max_queue)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
