@@ -160,6 +160,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) float32 -> (..., out)."""
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:  # e.g. a prompt's empty text track (live text): nothing to multiply
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         if self.native is not None:
             # The copy's second half is overwritten with the residual rows.
             y = self.native(torch.cat((rows, rows)))[: rows.shape[0]]
