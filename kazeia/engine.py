@@ -416,7 +416,8 @@ class Engine:
                 text = request.live.text if request.live is not None else ""
             else:
                 cond = _continued(request, previous)
-                prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
+                with steps.exclusive():
+                    prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
                 generator = torch.Generator(device=self.device).manual_seed(part.seed)
                 guard = Guard(part.budget, request.long_text.loop_frames) if request.guarded else None
                 frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard, steps)
@@ -431,13 +432,15 @@ class Engine:
     def _live_frames(
         self, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
     ) -> Generator[torch.Tensor, None, str]:
-        prompt = self._live_prompt(request, should_stop)
+        prompt = self._live_prompt(request, should_stop, steps)
         if prompt is None:  # stopped while waiting for live text
             return CANCELLED
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
         return (yield from generate.frames(self.model, prompt, request.options, generator, should_stop, None, steps))
 
-    def _live_prompt(self, request: Request, should_stop: Callable[[], bool] | None) -> Prompt | None:
+    def _live_prompt(
+        self, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
+    ) -> Prompt | None:
         live = request.live
         assert live is not None
         live.should_stop = should_stop
@@ -447,17 +450,25 @@ class Engine:
         if whole:  # all of the text goes into the prompt: it must fit the model's positions too
             bounded(self.rules, request, len(live.ids))
         ids = self.tokenizer.wrap_assistant(live.ids if whole else live.ids[:1])
-        prompt = build_prompt(self.model, ids, request.cond, request.non_streaming_mode)
+        with steps.exclusive():
+            prompt = build_prompt(self.model, ids, request.cond, request.non_streaming_mode)
         if not whole:  # the trailing text track, one token per frame as it arrives
-            embed = lambda token: self.model.talker.embed_text(torch.tensor([[token]], device=self.device))  # noqa: E731
+
+            def embed(token: int) -> torch.Tensor:
+                with steps.exclusive():
+                    return self.model.talker.embed_text(torch.tensor([[token]], device=self.device))
+
             prompt.text_source = live_trailing(live, embed, prompt.eos, prompt.pad)
         return prompt
 
-    def scheduler(self, max_batch: int = 4, max_queue: int = 16) -> Scheduler:
+    def scheduler(
+        self, max_batch: int = 4, max_queue: int = 16, on_step: Callable[[int], None] | None = None
+    ) -> Scheduler:
         """A scheduler generating up to `max_batch` streams of this engine together (one batched
         frame step for all: kazeia/scheduler.py), `max_queue` more waiting first come first served.
-        Each stream's codes and audio do not depend on the others. Close it when done."""
-        return Scheduler(self, max_batch, max_queue)
+        Each stream's codes and audio do not depend on the others. Close it when done. `on_step`:
+        called with each step's number of streams."""
+        return Scheduler(self, max_batch, max_queue, on_step)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:

@@ -12,6 +12,7 @@ source or `should_stop` says so; `frames()` returns which (its finish reason).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -131,7 +132,12 @@ class StepCancelled(Exception):
 
 class Steps:
     """How `frames` runs its steps: this one at once, in the caller's thread. A scheduler's steps
-    (kazeia/scheduler.py) run them in its own thread instead, batched with other requests'."""
+    (kazeia/scheduler.py) run them in its own thread instead, batched with other requests';
+    `exclusive()` then keeps the caller's own model work (its prompt, live text's embeddings) from
+    running beside them: the model runs in one thread at a time, on generation's own core(s)."""
+
+    def exclusive(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
         return prefill(model, prompt, opts, generator)

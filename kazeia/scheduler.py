@@ -104,20 +104,27 @@ class _ScheduledSteps(generate.Steps):
     def decode(self, model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
         return self.scheduler._wait(_Work(self.ticket, decode=(state, text)))
 
+    def exclusive(self) -> threading.Lock:
+        return self.scheduler._model_lock
+
 
 class Scheduler:
     """Generates the streams of one engine together (module docstring). Use it in a `with` block or
     call `close()`; `stream` takes `Engine.stream`'s arguments and returns its kind of stream."""
 
-    def __init__(self, engine: Engine, max_batch: int = 4, max_queue: int = 16):
+    def __init__(
+        self, engine: Engine, max_batch: int = 4, max_queue: int = 16, on_step: Callable[[int], None] | None = None
+    ):
+        """`on_step(size)`: called after each batched step with its number of streams (metrics)."""
         batch = Batch(engine.model)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= batch.max_batch:
             raise ValueError(f"max_batch must be an integer from 1 to {batch.max_batch}, got {max_batch!r}")
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
         self.engine, self.batch = engine, batch
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.on_step = max_batch, max_queue, on_step
         self._lock = threading.Condition()
+        self._model_lock = threading.Lock()  # held by whoever runs the model (generate.Steps.exclusive)
         self._queue: deque[_Ticket] = deque()  # waiting for admission, first come first
         self._active = 0
         self._pending: list[_Work] = []
@@ -255,7 +262,9 @@ class Scheduler:
             return
         try:
             prompt, opts, generator = work.prefill  # type: ignore[misc]
-            work.finish(generate.prefill(self.engine.model, prompt, opts, generator))
+            with self._model_lock:
+                made = generate.prefill(self.engine.model, prompt, opts, generator)
+            work.finish(made)
         except BaseException as error:  # the stream's thread raises it
             work.finish(error=error)
         with self._lock:
@@ -272,7 +281,8 @@ class Scheduler:
         if not going:
             return set()
         try:
-            results = self.batch.decode_frames([w.decode[0] for w in going], [w.decode[1] for w in going])  # type: ignore[index]
+            with self._model_lock:
+                results = self.batch.decode_frames([w.decode[0] for w in going], [w.decode[1] for w in going])  # type: ignore[index]
         except BaseException as error:
             for work in going:
                 work.finish(error=error)
@@ -280,6 +290,8 @@ class Scheduler:
         with self._lock:
             self._steps += 1
             self._sizes[len(going)] += 1
+        if self.on_step is not None:
+            self.on_step(len(going))
         for work, codes in zip(going, results, strict=True):
             work.finish(codes)
         return {w.owner for w, codes in zip(going, results, strict=True) if codes is not None}

@@ -72,12 +72,17 @@ class Limits:
             )
 
 
+MAX_BATCH = 64  # utterances generated at once at most (each holds a serving thread)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the server runs one loaded engine."""
 
     model_name: str  # the id `GET /v1/models` lists and a request's `model` must name
     queue_size: int = 16  # utterances waiting for the worker; one more is refused with 503
+    # Utterances generated at once, their frame steps batched (kazeia/scheduler.py); 1: one at a time.
+    max_batch: int = 1
     first_chunk_frames: int = ChunkSchedule.first  # frames in the first streamed chunk (80 ms each): latency
     chunk_frames: int = ChunkSchedule.rest  # frames in each later chunk: overhead per chunk
     limits: Limits = field(default_factory=Limits)
@@ -102,10 +107,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ValueError("model_name must be a non-empty string")
-        for name in ("queue_size", "first_chunk_frames", "chunk_frames", "max_connections"):
+        for name in ("queue_size", "first_chunk_frames", "chunk_frames", "max_connections", "max_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_batch > MAX_BATCH:
+            raise ValueError(f"max_batch must be at most {MAX_BATCH}, got {self.max_batch}")
         for name in ("text_timeout", "text_deadline", "ws_idle_s"):
             _check_seconds(name, getattr(self, name))
         if not all(isinstance(a, str) and a.strip() for a in self.model_aliases):
