@@ -81,8 +81,6 @@ class ServerConfig:
 
     model_name: str  # the id `GET /v1/models` lists and a request's `model` must name
     queue_size: int = 16  # utterances waiting for the worker; one more is refused with 503
-    # Utterances generated at once, their frame steps batched (kazeia/scheduler.py); 1: one at a time.
-    max_batch: int = 1
     first_chunk_frames: int = ChunkSchedule.first  # frames in the first streamed chunk (80 ms each): latency
     chunk_frames: int = ChunkSchedule.rest  # frames in each later chunk: overhead per chunk
     limits: Limits = field(default_factory=Limits)
@@ -103,6 +101,8 @@ class ServerConfig:
     api_key: str | None = None
     max_connections: int = 64  # open connections at once (uvicorn's limit_concurrency); more get 503
     ws_idle_s: float = 300.0  # a WebSocket with nothing to say or speak for this long is closed
+    # Utterances generated at once, their frame steps batched (kazeia/scheduler.py); 1: one at a time.
+    max_batch: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
