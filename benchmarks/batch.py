@@ -107,10 +107,12 @@ def main() -> None:
     args = parser.parse_args()
     low, _, high = args.frames.partition("-")
     frames = (int(low), int(high or low))
-    report = {"machine": machine(), "args": vars(args), "runs": []}
-    print(json.dumps(report["machine"]))
+    report: dict = {"args": vars(args), "runs": []}
     for dtype in args.dtypes.split(","):
         engine = Engine.load(prepared_checkpoint(args.size, dtype), dtype=dtype)
+        if "machine" not in report:  # after loading: the engine sets the thread count
+            report["machine"] = machine()
+            print(json.dumps(report["machine"]))
         one_stream(engine, None, 3, seed=0)  # warm-up: the native library, the first allocations
         for level in args.concurrency.split(","):
             row = {"dtype": dtype, **run_level(engine, level, args.requests, frames, args.gap)}

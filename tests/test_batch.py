@@ -51,7 +51,7 @@ def _prefilled(engine: Engine, i: int, seed: int, frames: int):
     return state, prompt, [codes]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", INT8, "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", INT8, "int4"])
 @pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
 @torch.inference_mode()
 def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
