@@ -250,8 +250,66 @@ def test_a_queued_stream_that_is_closed_leaves_the_queue(typed):
         first.close()
 
 
+def test_closing_the_scheduler_ends_its_streams_with_an_error(typed):
+    from kazeia.scheduler import SchedulerClosed
+
+    engine = typed("float32")
+    scheduler = engine.scheduler(max_batch=2)
+    stream = scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=2000, ignore_eos=True)
+    next(iter(stream))
+    scheduler.close()
+    with pytest.raises(SchedulerClosed):
+        for _ in stream:
+            pass
+    with pytest.raises(SchedulerClosed):
+        scheduler.stream(TEXTS[0], voice="serena")
+
+
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
+
+
+def test_max_batch_is_checked():
+    from kazeia.server import ServerConfig
+
+    for bad in (0, -1, True, 1.5, 65):
+        with pytest.raises(ValueError, match="max_batch"):
+            ServerConfig("m", max_batch=bad)
+    assert ServerConfig("m").max_batch == 1  # one utterance at a time unless asked
+
+
+def test_a_full_queue_is_refused_with_retry_after_under_max_batch(engines):
+    """--max-batch 2, --queue-size 1: of 8 long requests at once, 2 are generated together (a third
+    may wait), the rest get 503 with a Retry-After; the server ends idle."""
+    import httpx
+    from server_support import LiveServer
+
+    from kazeia.server import Limits, ServerConfig, create_app
+
+    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", queue_size=1, max_batch=2,
+                                                          limits=Limits(max_new_tokens=400)))  # fmt: skip
+    body = dict(input=TEXTS[0], voice="serena", max_new_tokens=300, ignore_eos=True, response_format="pcm")
+
+    async def client(http, k: int) -> tuple[int, str | None]:
+        async with http.stream("POST", "/v1/audio/speech", json={**body, "seed": k}) as response:
+            await response.aread()
+            return response.status_code, response.headers.get("retry-after")
+
+    async def all_clients(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as http:
+            return await asyncio.gather(*(client(http, k) for k in range(8)))
+
+    with LiveServer(app) as server:
+        got = asyncio.run(all_clients(server.url))
+        worker = app.state.kazeia.worker
+        deadline = time.monotonic() + 10
+        while worker.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.active == 0
+    statuses = [status for status, _ in got]
+    assert 2 <= statuses.count(200) <= 3 and statuses.count(503) == 8 - statuses.count(200)
+    assert max(worker.scheduler.stats.batch_sizes) == 2
+    assert all(int(after) >= 1 for status, after in got if status == 503)
 
 
 def test_the_server_serves_16_clients_with_max_batch_4(engines):
