@@ -59,9 +59,9 @@ def row_product(module: nn.Module) -> Product | None:
 
 def _gemv(linear: NativeLinear) -> Product:
     lib, w, dt, n_out, n_in = linear.lib, linear.weight, linear.dt, linear.out_features, linear.in_features
-    bias = None if linear.bias is None else linear.bias.data_ptr()
 
     def product(rows: torch.Tensor, groups: int) -> torch.Tensor:
+        bias = _address(linear.bias)
         rows = rows.reshape(-1, n_in).to(w.dtype).contiguous()
         y = torch.empty(rows.shape[0], n_out, dtype=w.dtype)
         _check(lib.gemv(w.data_ptr(), rows.data_ptr(), bias, y.data_ptr(), n_out, n_in, rows.shape[0], dt), rows)
@@ -72,9 +72,9 @@ def _gemv(linear: NativeLinear) -> Product:
 
 def _gemv_wide(head: HeadLinear) -> Product:
     lib, bits, n_out, n_in = head.lib, head.weight_bits, head.out_features, head.in_features
-    bias = None if head.bias is None else head.bias.data_ptr()
 
     def product(rows: torch.Tensor, groups: int) -> torch.Tensor:
+        bias = _address(head.bias)
         rows = rows.reshape(-1, n_in).float().contiguous()
         y = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
         _check(lib.gemv_wide(bits.data_ptr(), 1, rows.data_ptr(), bias, y.data_ptr(), n_out, n_in, rows.shape[0]), rows)
@@ -88,9 +88,9 @@ def _grouped_int8(linear: QuantLinear) -> Product:
     rows, and the anchor row that fixes the activation grid (decode.c `group_rows`)."""
     lib, packed, reduce_range, levels = linear.lib, linear.packed, linear.reduce_range, linear.levels
     n_in, n_out = linear.in_features, linear.out_features
-    bias = None if linear.bias is None else linear.bias.data_ptr()
 
     def product(rows: torch.Tensor, groups: int) -> torch.Tensor:
+        bias = _address(linear.bias)
         rows = rows.reshape(-1, n_in)
         n = rows.shape[0]
         if n % groups:
@@ -104,6 +104,11 @@ def _grouped_int8(linear: QuantLinear) -> Product:
         return y[:n]
 
     return product
+
+
+def _address(bias: torch.Tensor | None) -> int | None:
+    """A bias's address, taken at each call: the product holds its module (and so the tensor)."""
+    return None if bias is None else bias.data_ptr()
 
 
 def _check(status: int, rows: torch.Tensor) -> None:

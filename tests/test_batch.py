@@ -8,12 +8,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import INT8
+from conftest import INT8, requires_int8
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kazeia import Engine, generate
-from kazeia.batch import Batch
+from kazeia.batch import Batch, row_product
 from kazeia.live import TextFeed
 from kazeia.prompt import build_prompt
 from kazeia.scheduler import SchedulerBusy
@@ -39,6 +39,47 @@ def typed(tiny_checkpoints):
         return made[dtype, name]
 
     return get
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_gemv_gives_each_of_many_rows_its_one_row_result(dtype):
+    """gemv.c's rows in pairs: rows 0..m-1 of one call equal m calls of one row each, bit for bit
+    (odd counts, and widths that leave a remainder after the vector loops)."""
+    from kazeia import native
+    from kazeia.native.linear import NativeLinear
+
+    lib = native.library()
+    if lib is None or (dtype == torch.float16 and not lib.has_float16()):
+        pytest.skip("no native library for this dtype")
+    g = torch.Generator().manual_seed(3)
+    linear = NativeLinear(torch.nn.Linear(200, 37).to(dtype), lib)
+    product = row_product(linear)
+    x = torch.randn(7, 200, generator=g).to(dtype)
+    together = product(x, 7)
+    for i in range(7):
+        assert torch.equal(together[i : i + 1], linear(x[i : i + 1]))
+
+
+@requires_int8
+def test_int8_rows_depend_on_their_own_request_only_and_stay_accurate():
+    """The anchored int8 grid: a request's rows give the same result whatever rows share the call
+    (here requests of very different ranges), and the error stays at the weights' rounding."""
+    from kazeia import native
+    from kazeia.quant import QuantLinear
+
+    g = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(96, 256, generator=g), torch.randn(96, generator=g)
+    product = row_product(QuantLinear.from_float(weight, bias, native.library()))
+    x = torch.randn(4, 2, 256, generator=g) * torch.tensor([1e-3, 1.0, 40.0, 3e4])[:, None, None]
+    with torch.inference_mode():
+        together = product(x.reshape(8, 256), 4).view(4, 2, 96)
+        for b in range(4):
+            assert torch.equal(together[b], product(x[b], 1))
+        scales = weight.abs().amax(dim=1, keepdim=True) / 127
+        exact = x @ (torch.round(weight / scales) * scales).T + bias
+        for b in range(4):
+            error = (together[b] - exact[b]).norm() / (exact[b] - bias).norm()
+            assert error < 1e-3
 
 
 def _prefilled(engine: Engine, i: int, seed: int, frames: int):
