@@ -350,8 +350,8 @@ class StackStep:
         scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
         hp, np_, ap, mp, sp = (t.data_ptr() for t in (h, normed, attended, activated, scratch))
         ropes = [(cos.data_ptr(), sin.data_ptr()) for (cos, sin), _, _ in requests]
-        n, width = B * T, (nq + 2 * nkv) * hd * (2 if dtype != torch.float32 else 4)
-        out_width = nq * hd * (2 if dtype != torch.float32 else 4)
+        n = B * T
+        width, out_width = (nq + 2 * nkv) * hd * dtype.itemsize, nq * hd * dtype.itemsize  # bytes a row
         eps, qk_eps = self.eps, self.qk_eps
         lib.add_rms_norm(hp, None, self.first_norm, np_, n, H, eps, dt)
         for index, (qkv, qk_w, o_proj, post_w, gate_up, down, next_w) in enumerate(layers):
