@@ -210,6 +210,7 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
     live = "live WebSocket" if websocket else "streamed"
     flags = [
         ("--queue-size", server["queue_size"], int, "utterances waiting before 503"),
+        ("--max-batch", server["max_batch"], int, "utterances generated at once, their frame steps batched"),
         (
             "--max-input-chars",
             limits["max_input_chars"],
@@ -373,6 +374,7 @@ def _server_config(args, name: str | None, **only) -> ServerConfig:
         text_timeout=args.text_timeout,
         text_deadline=args.text_deadline,
         max_connections=args.max_connections,
+        max_batch=args.max_batch,
         **only,
     )
 

@@ -37,6 +37,7 @@ from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, Prompt, build_prompt, n
 from .request import Part, Request, Rules, TextSource, bounded, build_request, ref_text_ids
 from .runaway import CANCELLED, Guard, overall
 from .sampling import SamplingKwargs, SamplingOptions
+from .scheduler import Scheduler
 from .segment import LongTextOptions
 from .speed import stretch
 from .streaming import ChunkSchedule, Metrics, Segment, SpeechStream, at_speed
@@ -284,6 +285,7 @@ class Engine:
         text_deadline: float | None = None,
         long_text: LongTextOptions | None = None,
         speed: float = 1.0,
+        scheduler: Scheduler | None = None,
         **sampling: Unpack[SamplingKwargs],
     ) -> SpeechStream:
         """Like `synthesize`, but yields `AudioChunk`s while generating (a long text's segments in
@@ -304,6 +306,8 @@ class Engine:
         frame; True ends the stream early (an alternative to `close()`). `speed`: as `synthesize`'s;
         the stretch carries its state from chunk to chunk, so the audio is `synthesize`'s whatever
         the schedule (each chunk lacks what the stretch still holds back, up to ~60 ms, until the next).
+        `scheduler`: generate it there, batched with other streams (`Engine.scheduler`); the same
+        codes and audio (kazeia/batch.py says which precisions differ from a stream without one).
         """
         started = time.perf_counter()
         schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
@@ -320,7 +324,7 @@ class Engine:
             speed=speed,
             **sampling,
         )
-        return self.stream_request(request, schedule, should_stop, started)
+        return self.stream_request(request, schedule, should_stop, started, scheduler)
 
     def stream_request(
         self,
@@ -328,12 +332,20 @@ class Engine:
         schedule: ChunkSchedule | None = None,
         should_stop: Callable[[], bool] | None = None,
         started: float | None = None,
+        scheduler: Scheduler | None = None,
     ) -> SpeechStream:
         """`stream` for a request validated before (`request`), e.g. by a server when it was queued."""
         ref = request.cond.reference_codes
         state = None if ref is None else self._priming.state(ref)
+        if scheduler is not None and scheduler.engine is not self:
+            raise ValueError("the scheduler belongs to another engine")
+        frames = (
+            (lambda stop: self.timeline(request, _either(stop, should_stop)))
+            if scheduler is None
+            else scheduler.source(request, should_stop)
+        )
         return SpeechStream(
-            lambda stop: self.timeline(request, _either(stop, should_stop)),
+            frames,
             self.vocoder,
             schedule or ChunkSchedule(),
             request.seed,
@@ -387,26 +399,28 @@ class Engine:
                 yield item
 
     def timeline(
-        self, request: Request, should_stop: Callable[[], bool] | None = None
+        self, request: Request, should_stop: Callable[[], bool] | None = None, steps: generate.Steps = generate.SOLO
     ) -> Iterator[torch.Tensor | Segment]:
         """`frames`, each segment's last frame followed by its `Segment`. Segment k speaks with its
         own seed (request.Part), its own talker cache and prompt: the same voice, and with
         `carry_context` the previous segment's text and frames as in-context reference (a segment the
-        guard found looping is not continued). A segment the caller stops ends the utterance."""
+        guard found looping is not continued). A segment the caller stops ends the utterance.
+        `steps`: who runs the frame steps (generate.Steps; a scheduler's batch several requests)."""
         rate, per_frame = self.vocoder.cfg.sample_rate, self.vocoder.cfg.samples_per_frame
         start, previous = 0, None
         for index, part in enumerate(request.parts or (None,)):
             made: list[torch.Tensor] = []
             guard = None
             if part is None:  # live text: one segment, as long as max_new_tokens allows
-                reason = yield from _kept(self._live_frames(request, should_stop), made)
+                reason = yield from _kept(self._live_frames(request, should_stop, steps), made)
                 text = request.live.text if request.live is not None else ""
             else:
                 cond = _continued(request, previous)
-                prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
+                with steps.exclusive():
+                    prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
                 generator = torch.Generator(device=self.device).manual_seed(part.seed)
                 guard = Guard(part.budget, request.long_text.loop_frames) if request.guarded else None
-                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard)
+                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard, steps)
                 reason, text = (yield from _kept(frames, made)), part.text
             end = start + len(made) * per_frame
             yield Segment(index, text, start, end, reason, rate)
@@ -416,15 +430,17 @@ class Engine:
             start, previous = end, (None if looped else part, made)
 
     def _live_frames(
-        self, request: Request, should_stop: Callable[[], bool] | None
+        self, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
     ) -> Generator[torch.Tensor, None, str]:
-        prompt = self._live_prompt(request, should_stop)
+        prompt = self._live_prompt(request, should_stop, steps)
         if prompt is None:  # stopped while waiting for live text
             return CANCELLED
         generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        return (yield from generate.frames(self.model, prompt, request.options, generator, should_stop))
+        return (yield from generate.frames(self.model, prompt, request.options, generator, should_stop, None, steps))
 
-    def _live_prompt(self, request: Request, should_stop: Callable[[], bool] | None) -> Prompt | None:
+    def _live_prompt(
+        self, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
+    ) -> Prompt | None:
         live = request.live
         assert live is not None
         live.should_stop = should_stop
@@ -434,11 +450,25 @@ class Engine:
         if whole:  # all of the text goes into the prompt: it must fit the model's positions too
             bounded(self.rules, request, len(live.ids))
         ids = self.tokenizer.wrap_assistant(live.ids if whole else live.ids[:1])
-        prompt = build_prompt(self.model, ids, request.cond, request.non_streaming_mode)
+        with steps.exclusive():
+            prompt = build_prompt(self.model, ids, request.cond, request.non_streaming_mode)
         if not whole:  # the trailing text track, one token per frame as it arrives
-            embed = lambda token: self.model.talker.embed_text(torch.tensor([[token]], device=self.device))  # noqa: E731
+
+            def embed(token: int) -> torch.Tensor:
+                with steps.exclusive():
+                    return self.model.talker.embed_text(torch.tensor([[token]], device=self.device))
+
             prompt.text_source = live_trailing(live, embed, prompt.eos, prompt.pad)
         return prompt
+
+    def scheduler(
+        self, max_batch: int = 4, max_queue: int = 16, on_step: Callable[[int], None] | None = None
+    ) -> Scheduler:
+        """A scheduler generating up to `max_batch` streams of this engine together (one batched
+        frame step for all: kazeia/scheduler.py), `max_queue` more waiting first come first served.
+        Each stream's codes and audio do not depend on the others. Close it when done. `on_step`:
+        called with each step's number of streams."""
+        return Scheduler(self, max_batch, max_queue, on_step)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:

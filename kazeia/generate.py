@@ -12,6 +12,7 @@ source or `should_stop` says so; `frames()` returns which (its finish reason).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -125,6 +126,29 @@ def predict_codes(model: TTSModel, state: Decoding, hidden: torch.Tensor, first:
     return torch.stack(codes, dim=1)
 
 
+class StepCancelled(Exception):
+    """Raised by a `Steps` whose request was cancelled while its step waited (ends `frames`)."""
+
+
+class Steps:
+    """How `frames` runs its steps: this one at once, in the caller's thread. A scheduler's steps
+    (kazeia/scheduler.py) run them in its own thread instead, batched with other requests';
+    `exclusive()` then keeps the caller's own model work (its prompt, live text's embeddings) from
+    running beside them: the model runs in one thread at a time, on generation's own core(s)."""
+
+    def exclusive(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
+        return prefill(model, prompt, opts, generator)
+
+    def decode(self, model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
+        return decode_frame(model, state, text)
+
+
+SOLO = Steps()
+
+
 @torch.inference_mode()
 def frames(
     model: TTSModel,
@@ -133,19 +157,24 @@ def frames(
     generator: torch.Generator | None,
     should_stop: Callable[[], bool] | None = None,
     guard: Guard | None = None,
+    steps: Steps = SOLO,
 ) -> Generator[torch.Tensor, None, str]:
     """Yield one (16,) int64 code frame at a time until EOS, `max_new_tokens`, the `guard`
     (kazeia/runaway.py), the end of a live text source or `should_stop()` (polled before each
-    frame's work); return the finish reason (runaway.FINISH_REASONS)."""
+    frame's work); return the finish reason (runaway.FINISH_REASONS). `steps` runs the prefill and
+    each frame's step (at once by default; a scheduler's batch them with other requests')."""
     if should_stop is not None and should_stop():
         return CANCELLED
-    state, codes = prefill(model, prompt, opts, generator)
-    while codes is not None:
-        yield codes[0]
-        if guard is not None and guard.stops(int(codes[0, 0])):
-            return GUARD
-        text = prompt.text_at(state.frames - 1)  # live text may wait here for the next token
-        if text is None or (should_stop is not None and should_stop()):
-            return CANCELLED
-        codes = decode_frame(model, state, text)
+    try:
+        state, codes = steps.prefill(model, prompt, opts, generator)
+        while codes is not None:
+            yield codes[0]
+            if guard is not None and guard.stops(int(codes[0, 0])):
+                return GUARD
+            text = prompt.text_at(state.frames - 1)  # live text may wait here for the next token
+            if text is None or (should_stop is not None and should_stop()):
+                return CANCELLED
+            codes = steps.decode(model, state, text)
+    except StepCancelled:
+        return CANCELLED
     return LENGTH if state.frames + 1 >= opts.max_new_tokens else EOS

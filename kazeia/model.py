@@ -117,9 +117,11 @@ class TTSModel(nn.Module):
     def choose_steps(self, lib) -> None:
         """Decoding steps (one sequence, 1-2 positions): the C glue between the products where the
         native library supports these activations, else the eager layers (always for prompts)."""
+        from .batch import row_product  # batch.py builds on this module
+
         activations = self.talker.norm.weight.dtype
         for stack in (self.talker, self.code_predictor):
-            stack.native_step = native.stack_step(lib, stack.layers, stack.norm, activations)
+            stack.native_step = native.stack_step(lib, stack.layers, stack.norm, activations, row_product)
 
 
 def rename(

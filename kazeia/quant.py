@@ -128,6 +128,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.reduce_range = needs_reduced_range()
         self.levels = 127 if self.reduce_range else 255  # steps of the GEMM's activation grid
+        self.lib = lib  # the native library (None: PyTorch operations only)
         self.native = None if lib is None else self._native_product(lib)
 
     @classmethod
@@ -159,6 +160,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) float32 -> (..., out)."""
         rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:  # e.g. a prompt's empty text track (live text): nothing to multiply
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         if self.native is not None:
             # The copy's second half is overwritten with the residual rows.
             y = self.native(torch.cat((rows, rows)))[: rows.shape[0]]

@@ -133,3 +133,12 @@ def test_two_rows_on_cpus_without_vnni_use_the_reduced_grid():
         assert rel(layer.eager(x), exact) < 0.02 * rel(one_row, exact)
         layer.levels = 255  # the wrong grid: the residual no longer matches the GEMM's rounding
         assert rel(layer.eager(x), exact) > 0.1 * rel(one_row, exact)
+
+
+def test_an_input_of_no_rows_gives_no_rows():
+    """A prompt's empty text track (live text) multiplies no rows: with the native product too."""
+    from kazeia import native
+
+    layer = QuantLinear.from_float(torch.randn(8, 64), torch.arange(8.0), native.library())
+    with torch.inference_mode():
+        assert layer(torch.zeros(1, 0, 64)).shape == (1, 0, 8)

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -195,6 +196,8 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "silu_mul": ([_P, _P, _INT, _INT, _INT], None),
     "residual_row": ([_P, _INT, _INT], _F),
     "combine_rows": ([_P, _INT, _INT, _F, _P], None),
+    "group_rows": ([_P, _INT, _INT, _INT, _INT, _P], None),
+    "combine_groups": ([_P, _INT, _INT, _INT, _P, _P], None),
     "has_float16": ([], _INT),
     "snake_beta": ([*[_P] * 4, *[_LONG] * 5, _INT], _INT),
     "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
@@ -267,7 +270,7 @@ class StackStep:
     residual rows (`QuantLinear.native`); a product's result is the first T rows of what it returns.
     """
 
-    def __init__(self, lib: ctypes.CDLL, layers, norm, dtype: torch.dtype):
+    def __init__(self, lib: ctypes.CDLL, layers, norm, dtype: torch.dtype, batch_product=None):
         self.lib, self.dtype, self.dt = lib, dtype, DTYPES[dtype]
         first = layers[0].self_attn
         self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
@@ -282,20 +285,22 @@ class StackStep:
                     for layer in layers]  # fmt: skip
         natives = [getattr(p, "native", None) for four in products for p in four]
         self.rows = 2 if any(natives) else 1
-        product = lambda p: p.native if getattr(p, "native", None) else p.forward  # noqa: E731
-        self.layers = []
+        self.layers = self._layers(layers, products, norms, _solo)
+        # The batched step's products (kazeia/batch.py): each row's result independent of the
+        # others, or None where some product is not (that model's batches run request by request).
+        made = [[batch_product(p) for p in four] for four in products] if batch_product else [[None]]
+        complete = all(f is not None for four in made for f in four)
+        self.batch_layers = self._layers(layers, made, norms, lambda f: f) if complete else None
+
+    def _layers(self, layers, products, norms, wrap: Callable) -> list[tuple]:
+        """Per layer: its four products (`wrap`ped: called with the input buffer and the number of
+        requests) and the addresses of its norm weights, in the order `_run` takes them."""
+        out = []
         for i, (layer, (qkv, o_proj, gate_up, down)) in enumerate(zip(layers, products, strict=True)):
-            self.layers.append(
-                (
-                    product(qkv),
-                    self._address(layer.self_attn.qk_norm_weight),
-                    product(o_proj),
-                    self._address(layer.post_attention_layernorm.weight),
-                    product(gate_up),
-                    product(down),
-                    self._address(norms[i + 1]),
-                )
-            )
+            qk_w = self._address(layer.self_attn.qk_norm_weight)
+            post_w = self._address(layer.post_attention_layernorm.weight)
+            out.append((wrap(qkv), qk_w, wrap(o_proj), post_w, wrap(gate_up), wrap(down), self._address(norms[i + 1])))
+        return out
 
     def _address(self, t: torch.Tensor) -> int:
         if t.dtype != self.dtype or not t.is_contiguous() or t.device.type != "cpu":
@@ -316,45 +321,72 @@ class StackStep:
     def __call__(self, x: torch.Tensor, rope, cache, start: int) -> torch.Tensor:
         """x (1, T, H) at positions [start, start + T) -> final-normed hidden (1, T, H); fills each
         layer's cache. T is 1, or 2 for the code predictor's first step of a frame (MAX_POSITIONS)."""
+        T = x.shape[1]
+        return self._run(x.reshape(T, self.hidden), T, [(rope, cache, start)], self.layers, self.rows).view(1, T, -1)
+
+    def batch(self, x: torch.Tensor, requests: list) -> torch.Tensor:
+        """Several requests' step at once: x (B, T, H), request b at positions [start_b, start_b + T)
+        of its own cache, `requests[b]` = (its rope (cos, sin) (T, 1, hd), its cache, start_b) ->
+        final-normed hidden (B, T, H). The products take all B * T rows at once (`batch_layers`,
+        each row's result that of the request alone); attention runs over each request's cache."""
+        B, T, H = x.shape
+        return self._run(x.reshape(B * T, H), T, requests, self.batch_layers, 1).view(B, T, H)
+
+    def _run(self, x: torch.Tensor, T: int, requests: list, layers: list, factor: int) -> torch.Tensor:
+        """x (B * T, H), B = len(requests), request-major -> final-normed (B * T, H). Product
+        inputs are buffers of `factor` * B * T rows (2 for the solo int8 products: module docstring)."""
         lib, dt, dtype = self.lib, self.dt, self.dtype
         H, nq, nkv, hd = self.hidden, self.heads, self.kv_heads, self.head_dim
-        T, capacity = x.shape[1], cache[0].k.shape[2]
-        if start + T > capacity:
-            raise RuntimeError(f"KV cache overflow: position {start + T} > capacity {capacity}")
-        h = x.reshape(T, H).clone()  # the residual stream, updated in place
-        rows = self.rows * T  # product inputs: T rows (then T residual rows for int8 products)
+        B = len(requests)
+        capacity = max(cache[0].k.shape[2] for _, cache, _ in requests)
+        for _, cache, start in requests:
+            if start + T > cache[0].k.shape[2]:
+                raise RuntimeError(f"KV cache overflow: position {start + T} > capacity {cache[0].k.shape[2]}")
+        h = x.clone()  # the residual stream, updated in place
+        rows = factor * B * T  # product inputs: B * T rows (then as many residual rows for solo int8)
         normed = torch.empty(rows, H, dtype=dtype)
         attended = torch.empty(rows, nq * hd, dtype=dtype)
         activated = torch.empty(rows, self.inner, dtype=dtype)
         scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
         hp, np_, ap, mp, sp = (t.data_ptr() for t in (h, normed, attended, activated, scratch))
-        cos, sin = (t.data_ptr() for t in rope)
+        ropes = [(cos.data_ptr(), sin.data_ptr()) for (cos, sin), _, _ in requests]
+        n = B * T
+        width, out_width = (nq + 2 * nkv) * hd * dtype.itemsize, nq * hd * dtype.itemsize  # bytes a row
         eps, qk_eps = self.eps, self.qk_eps
-        lib.add_rms_norm(hp, None, self.first_norm, np_, T, H, eps, dt)
-        for (qkv, qk_w, o_proj, post_w, gate_up, down, next_w), layer_cache in zip(self.layers, cache, strict=True):
-            y = qkv(normed)
-            k, v = layer_cache.k, layer_cache.v
-            lib.attend(y.data_ptr(), qk_w, cos, sin, k.data_ptr(), v.data_ptr(), ap, sp, T, nq, nkv, hd, capacity,
-                       start, qk_eps, dt)  # fmt: skip
+        lib.add_rms_norm(hp, None, self.first_norm, np_, n, H, eps, dt)
+        for index, (qkv, qk_w, o_proj, post_w, gate_up, down, next_w) in enumerate(layers):
+            y = qkv(normed, B)
+            yp = y.data_ptr()
+            for b, ((cos, sin), (_, cache, start)) in enumerate(zip(ropes, requests, strict=True)):
+                k, v = cache[index].k, cache[index].v
+                lib.attend(yp + b * T * width, qk_w, cos, sin, k.data_ptr(), v.data_ptr(), ap + b * T * out_width, sp,
+                           T, nq, nkv, hd, k.shape[2], start, qk_eps, dt)  # fmt: skip
             # Each product's output is held in a name until the call returns (a temporary's memory
             # would be freed as soon as its address is taken).
-            y = o_proj(attended)
-            lib.add_rms_norm(hp, y.data_ptr(), post_w, np_, T, H, eps, dt)
-            y = gate_up(normed)
-            lib.silu_mul(y.data_ptr(), mp, T, self.inner, dt)
-            y = down(activated)
-            lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, T, H, eps, dt)
-        return normed[:T].view(1, T, H)
+            y = o_proj(attended, B)
+            lib.add_rms_norm(hp, y.data_ptr(), post_w, np_, n, H, eps, dt)
+            y = gate_up(normed, B)
+            lib.silu_mul(y.data_ptr(), mp, n, self.inner, dt)
+            y = down(activated, B)
+            lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, n, H, eps, dt)
+        return normed[:n]
 
 
-def stack_step(lib: ctypes.CDLL | None, layers, norm, dtype: torch.dtype) -> StackStep | None:
+def _solo(linear) -> Callable:
+    """A solo step's product, called as the batched ones are (the number of requests is 1)."""
+    product = linear.native if getattr(linear, "native", None) else linear.forward
+    return lambda rows, groups: product(rows)
+
+
+def stack_step(lib: ctypes.CDLL | None, layers, norm, dtype: torch.dtype, batch_product=None) -> StackStep | None:
     """The native step for a loaded stack whose activations are `dtype`, or None where it does not
-    apply (no library, a dtype without C support, unfused layers or unsupported head shapes)."""
+    apply (no library, a dtype without C support, unfused layers or unsupported head shapes).
+    `batch_product(linear)`: its product for batched steps, or None (kazeia/batch.py)."""
     if lib is None or dtype not in DTYPES or not _supported(layers, dtype):
         return None
     if dtype == torch.float16 and not lib.has_float16():
         return None
-    return StackStep(lib, layers, norm, dtype)
+    return StackStep(lib, layers, norm, dtype, batch_product)
 
 
 def _supported(layers, dtype: torch.dtype) -> bool:

@@ -237,3 +237,64 @@ void combine_rows(float *y, int n, int cols, float inverse, const float *bias) {
             y[start + c] = bias ? v + bias[c] : v;
         }
 }
+
+/* The int8 products of a batched step (kazeia/batch.py): each request's rows (a group) quantized
+   on a grid that depends on that group alone, so its results never depend on the other requests.
+
+   The int8 GEMM takes one activation grid for its whole input, from the input's range. Here that
+   range is fixed by an anchor row holding -1 and +1, so the grid is always multiples of
+   s = 2 / levels. Each group is first scaled by a power of two p (exact) so that its largest
+   |value| lies in [1/4, 1/2): inside the grid, never at its clamped ends; its residual rows
+   f * (p x - Q(p x)) follow as in `residual_row`, with f the largest power of two (at most 2^16)
+   keeping them within +-1/2. The group's result is then (first + second / f) / p.
+
+   rows: (2 n + 1) rows of `cols` float32, the n input rows first, n = groups * per_group; the
+   next n rows and the anchor row are written here, the input rows scaled in place. inverses:
+   2 per group, 1/f and 1/p. */
+void group_rows(float *rows, int groups, int per_group, int cols, int levels, float *inverses) {
+    const long group_values = (long)per_group * cols, n = (long)groups * group_values;
+    const float scale = (float)(2.0 / levels), inverse = 1.0f / scale, magic = 12582912.0f;
+    for (int g = 0; g < groups; g++) {
+        float *x = rows + g * group_values, *res = rows + n + g * group_values;
+        float big = 0.0f;
+        for (long i = 0; i < group_values; i++) big = fabsf(x[i]) > big ? fabsf(x[i]) : big;
+        int exponent = 0;
+        if (big > 0.0f && isfinite(big)) frexpf(big, &exponent);
+        const int shift = -exponent - 1 < 126 ? -exponent - 1 : 126; /* big * 2^shift in [1/4, 1/2) */
+        const float p = ldexpf(1.0f, shift);
+        float largest = 0.0f;
+        for (long i = 0; i < group_values; i++) {
+            x[i] *= p;
+            float r = x[i] - ((x[i] * inverse + magic) - magic) * scale;
+            res[i] = r;
+            largest = fabsf(r) > largest ? fabsf(r) : largest;
+        }
+        float factor = 0.0f;
+        if (largest > 0.0f && isfinite(0.5f / largest)) {
+            int e;
+            frexp(0.5 / largest, &e);
+            if (e >= 2) factor = (float)ldexp(1.0, (e < MAX_EXPONENT ? e : MAX_EXPONENT) - 1);
+        }
+        for (long i = 0; i < group_values; i++) res[i] = factor > 0.0f ? res[i] * factor : 0.0f;
+        inverses[2 * g] = factor > 0.0f ? 1.0f / factor : 0.0f;
+        inverses[2 * g + 1] = 1.0f / p;
+    }
+    float *anchor = rows + 2 * n;
+    memset(anchor, 0, sizeof(float) * (size_t)cols);
+    anchor[0] = -1.0f;
+    anchor[cols > 1 ? 1 : 0] = 1.0f;
+}
+
+/* y: (2 n + 1) rows of `cols` float32, the GEMM's outputs for `group_rows`' rows -> the first n
+   rows := (first + second * 1/f) * 1/p (+ bias, one value per column), group by group. */
+void combine_groups(float *y, int groups, int per_group, int cols, const float *inverses, const float *bias) {
+    const long group_values = (long)per_group * cols, n = (long)groups * group_values;
+    for (int g = 0; g < groups; g++) {
+        const float inv_f = inverses[2 * g], inv_p = inverses[2 * g + 1];
+        float *first = y + g * group_values, *second = y + n + g * group_values;
+        for (long i = 0; i < group_values; i++) {
+            float v = (first[i] + second[i] * inv_f) * inv_p;
+            first[i] = bias ? v + bias[i % cols] : v;
+        }
+    }
+}

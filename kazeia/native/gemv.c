@@ -1,6 +1,7 @@
-/* Single-threaded products of one or two activation rows with a weight matrix, for decoding steps:
-   y[i][r] = sum over c of x[i][c] * w[r][c], i < m (m = 1 or 2), r < rows; w is row-major
-   (rows, cols), as a Linear stores it; x and y are m rows of cols and rows values.
+/* Single-threaded products of a few activation rows with a weight matrix, for decoding steps:
+   y[i][r] = sum over c of x[i][c] * w[r][c], i < m, r < rows; w is row-major (rows, cols), as a
+   Linear stores it; x and y are m rows of cols and rows values. m is 1 or 2 for one sequence's
+   step, up to MAX_ROWS for a batched step of several requests (kazeia/batch.py).
 
    Batch-1 decoding reads every weight once per step and does two flops with it: the time is the
    weight reads. These loops read one weight row at a time, as one sequential stream with four
@@ -11,13 +12,16 @@
 
    Summation: 4 x 16 (AVX-512) or 4 x 8 (AVX2) lanes of partial sums over the columns (8 lanes in
    the portable build), added in a fixed order: for a given build a row's result never depends on
-   m or on the other rows.
+   m or on the other rows. More than two rows go through the same two-row dot product in pairs,
+   (0, 1), (2, 3), ..., while the weight row is still in the first-level cache: each row's sums
+   are those of m = 1, so a batched step gives every request exactly its solo result.
    Weights and activations of dt (0 float32, 1 bfloat16, 2 float16) are widened to float32 and
    multiplied with fused multiply-adds; with AVX512_BF16, bfloat16 pairs go through its dot product
    (exact products, float32 sums). Outputs are rounded to dt once, as a float32-accumulating matmul
    does. Which instructions are used is decided by the build's target flags (kazeia/cpu.py). */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -164,41 +168,51 @@ static void row_dot_bf16(const uint16_t *w, const uint16_t *x, int m, long cols,
 }
 #endif
 
-/* y (m x rows, dt) = x (m x cols, dt) @ w.T (w: rows x cols, dt) [+ bias (rows, dt)]; m is 1 or 2.
-   Returns 0, or -1 for an m it does not take. */
+enum { MAX_ROWS = 256 }; /* activation rows one call takes */
+
+/* y (m x rows, dt) = x (m x cols, dt) @ w.T (w: rows x cols, dt) [+ bias (rows, dt)], 1 <= m <=
+   MAX_ROWS. Returns 0, -1 for an m it does not take, -2 when out of memory. */
 int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt) {
-    if (m < 1 || m > 2) return -1;
-    float xf[2 * cols];
+    if (m < 1 || m > MAX_ROWS) return -1;
+    float *xf = malloc(sizeof(float) * (size_t)m * (size_t)cols);
+    if (!xf) return -2;
     for (long i = 0; i < m * cols; i++) xf[i] = load(x, i, dt);
     const long width = dt == F32 ? 4 : 2; /* bytes per value */
     for (long r = 0; r < rows; r++) {
         const void *row = (const char *)w + r * cols * width;
-        float sums[2];
+        for (int i = 0; i < m; i += 2) {
+            const int pair = m - i < 2 ? m - i : 2;
+            float sums[2];
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-        if (dt == BF16)
-            row_dot_bf16((const uint16_t *)row, (const uint16_t *)x, m, cols, sums);
-        else
+            if (dt == BF16)
+                row_dot_bf16((const uint16_t *)row, (const uint16_t *)x + (long)i * cols, pair, cols, sums);
+            else
 #endif
-            row_dot(row, dt, xf, m, cols, sums);
-        for (int i = 0; i < m; i++) {
-            float v = sums[i];
-            if (bias) v += load(bias, r, dt);
-            store(y, (long)i * rows + r, v, dt);
+                row_dot(row, dt, xf + (long)i * cols, pair, cols, sums);
+            for (int j = 0; j < pair; j++) {
+                float v = sums[j];
+                if (bias) v += load(bias, r, dt);
+                store(y, (long)(i + j) * rows + r, v, dt);
+            }
         }
     }
+    free(xf);
     return 0;
 }
 
 /* y (m x rows, float32) = x (m x cols, float32) @ w.T (w: rows x cols of wdt) [+ bias (rows,
    float32)]: weights kept narrow, activations and results not rounded (kazeia/int4.py's output
-   heads). Same summation as `gemv` (row_dot). Returns 0, or -1 for an m it does not take. */
+   heads). Same summation as `gemv` (row_dot, rows in pairs). Returns 0, or -1 for an m it does
+   not take. */
 int gemv_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, int m) {
-    if (m < 1 || m > 2) return -1;
+    if (m < 1 || m > MAX_ROWS) return -1;
     const long width = wdt == F32 ? 4 : 2;
-    for (long r = 0; r < rows; r++) {
-        float sums[2];
-        row_dot((const char *)w + r * cols * width, wdt, x, m, cols, sums);
-        for (int i = 0; i < m; i++) y[(long)i * rows + r] = sums[i] + (bias ? bias[r] : 0.0f);
-    }
+    for (long r = 0; r < rows; r++)
+        for (int i = 0; i < m; i += 2) {
+            const int pair = m - i < 2 ? m - i : 2;
+            float sums[2];
+            row_dot((const char *)w + r * cols * width, wdt, x + (long)i * cols, pair, cols, sums);
+            for (int j = 0; j < pair; j++) y[(long)(i + j) * rows + r] = sums[j] + (bias ? bias[r] : 0.0f);
+        }
     return 0;
 }

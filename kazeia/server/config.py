@@ -72,6 +72,9 @@ class Limits:
             )
 
 
+MAX_BATCH = 64  # utterances generated at once at most (each holds a serving thread)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """How the server runs one loaded engine."""
@@ -98,14 +101,18 @@ class ServerConfig:
     api_key: str | None = None
     max_connections: int = 64  # open connections at once (uvicorn's limit_concurrency); more get 503
     ws_idle_s: float = 300.0  # a WebSocket with nothing to say or speak for this long is closed
+    # Utterances generated at once, their frame steps batched (kazeia/scheduler.py); 1: one at a time.
+    max_batch: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ValueError("model_name must be a non-empty string")
-        for name in ("queue_size", "first_chunk_frames", "chunk_frames", "max_connections"):
+        for name in ("queue_size", "first_chunk_frames", "chunk_frames", "max_connections", "max_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_batch > MAX_BATCH:
+            raise ValueError(f"max_batch must be at most {MAX_BATCH}, got {self.max_batch}")
         for name in ("text_timeout", "text_deadline", "ws_idle_s"):
             _check_seconds(name, getattr(self, name))
         if not all(isinstance(a, str) and a.strip() for a in self.model_aliases):

@@ -117,11 +117,20 @@ class ServerMetrics:
             "Real-time factor of completed utterances (generation wall time / audio time).",
             (0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 3, 5),
         )
+        self.queue_wait = Histogram(
+            "kazeia_queue_wait_seconds",
+            "Request arrival until generation starts.",
+            (0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.batch_size = Histogram(
+            "kazeia_batch_size", "Utterances in each batched frame step (--max-batch > 1).", (1, 2, 3, 4, 6, 8, 12, 16)
+        )
         self._gauges = (
             Gauge("kazeia_streams_active", "Utterances admitted and not finished (waiting or generating).", active),
             Gauge("kazeia_queue_depth", "Utterances waiting for the worker.", queue_depth),
         )
 
     def render(self) -> str:
-        parts = (self.requests, self.errors, self.utterances, self.audio_seconds, *self._gauges, self.ttfb, self.rtf)
+        parts = (self.requests, self.errors, self.utterances, self.audio_seconds, *self._gauges, self.ttfb, self.rtf,
+                 self.queue_wait, self.batch_size)  # fmt: skip
         return "\n".join(line for part in parts for line in part.render()) + "\n"

@@ -1,4 +1,4 @@
-"""The worker: one thread owns the engine and speaks one utterance at a time, FIFO.
+"""The worker: it owns the engine and speaks the queued utterances, FIFO, `max_batch` at a time.
 
 Validated engine requests become `Job`s on a bounded queue; a full queue is refused at once (`Busy`, a 503 with
 Retry-After) rather than letting waits grow without bound. The worker runs `Engine.stream_request` for
@@ -10,6 +10,11 @@ Cancelling a job (client gone, WebSocket `cancel`, shutdown) sets an event that 
 through its `should_stop` before each frame and while it waits for live text, so generation stops
 within one frame, from any thread, without blocking the caller; a job cancelled while still queued
 is skipped.
+
+With `max_batch` N > 1, N serving threads take jobs from the one queue, first come first served,
+and their streams' frame steps run batched in one `Scheduler` (kazeia/scheduler.py): each
+utterance's codes and audio are those it would have alone. N = 1 is one thread and no scheduler,
+the engine's own streams.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..engine import Engine
 from ..live import TextTimeout
 from ..request import Request
 from ..runaway import CANCELLED
+from ..scheduler import Scheduler
 from ..streaming import ChunkSchedule, Metrics, Segment, SpeechStream
 from .formats import Encoder
 from .metrics import ServerMetrics
@@ -188,20 +194,29 @@ class Worker:
         queue_size: int,
         schedule: ChunkSchedule,
         metrics: ServerMetrics,
+        max_batch: int = 1,
     ):
         self.engine, self.schedule, self.metrics = engine, schedule, metrics
+        self.max_batch = max_batch
         self.records: deque[JobRecord] = deque(maxlen=256)
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
-        self._current: Job | None = None
+        self._current: set[Job] = set()
         self._active = 0  # jobs submitted and not yet ended
         self._lock = threading.Lock()
         self._mean_s: float | None = None  # running mean of seconds per job (Retry-After estimate)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kazeia-server-worker", daemon=True)
+        # More than one at a time: the jobs' steps batched (every serving thread is admitted at once).
+        self.scheduler: Scheduler | None = None
+        if max_batch > 1:
+            self.scheduler = engine.scheduler(max_batch, max_queue=0, on_step=metrics.batch_size.observe)
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kazeia-server-worker-{i}", daemon=True) for i in range(max_batch)
+        ]
 
     # -- event-loop side -----------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -217,20 +232,24 @@ class Worker:
 
     @property
     def active(self) -> int:
-        """Jobs admitted and not finished: waiting plus the one being generated."""
+        """Jobs admitted and not finished: waiting plus those being generated."""
         return self._active
 
     def retry_after(self) -> int:
         mean = self._mean_s if self._mean_s is not None else 1.0
-        return max(1, min(300, math.ceil(mean * (self.queue_depth + 1))))
+        return max(1, min(300, math.ceil(mean * (self.queue_depth // self.max_batch + 1))))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel everything and end the thread (server shutdown)."""
         self._stop.set()
-        current = self._current
-        if current is not None:
+        for current in list(self._current):
             current.cancel()
-        self._thread.join(timeout)
+        ends = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(max(0.0, ends - time.monotonic()))
+        if self.scheduler is not None:
+            self.scheduler.close()
         while True:
             try:
                 job = self._jobs.get_nowait()
@@ -249,22 +268,26 @@ class Worker:
                 continue
             if self._stop.is_set():
                 job.cancel()
-            self._current = job
+            with self._lock:
+                self._current.add(job)
             try:
                 self._serve(job)
             finally:
-                self._current = None
+                with self._lock:
+                    self._current.discard(job)
 
     def _serve(self, job: Job) -> None:
         started = time.perf_counter()
         queue_s = started - job.arrived
+        self.metrics.queue_wait.observe(queue_s)
         if job.cancelled:
             self._end(job, Outcome("cancelled", 0, queue_s, None, None, finish_reason=CANCELLED), frames=0)
             return
         stream: SpeechStream | None = None
         samples, ttfb = 0, None
         try:
-            stream = self.engine.stream_request(job.request, self.schedule, should_stop=lambda: job.cancelled)
+            stop = lambda: job.cancelled  # noqa: E731
+            stream = self.engine.stream_request(job.request, self.schedule, stop, scheduler=self.scheduler)
             job.stream = stream
             with stream:
                 for chunk in stream:

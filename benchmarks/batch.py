@@ -1,0 +1,126 @@
+"""Many streams at once through the scheduler on a real-size random checkpoint: aggregate audio
+seconds per wall second, per-stream RTF, TTFB p50/p95 and continuity, by concurrency.
+
+    python benchmarks/batch.py [--size 0.6B] [--dtypes int8,bfloat16] [--concurrency 1,2,4]
+                               [--requests 8] [--frames 15-40] [--gap 0.3] [--json out.json]
+
+At concurrency c, c clients each send requests one after the other, the first after a random
+delay and each next one a random (exponential, mean `--gap` s) pause after the previous ended;
+each request asks for a random number of frames in `--frames` (greedy, EOS suppressed, so exactly
+that many) and takes its chunks as fast as they come. "solo" is today's path: the engine's own
+stream, one client, no scheduler. TTFB counts from the call (queue wait included). A stream is
+continuous when, played in real time from its first chunk after a 160 ms buffer, it never runs dry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, prepared_checkpoint
+
+from kazeia import Engine
+
+TEXT = "Kazeia speaks to many people at once, each voice exactly as it would sound alone."
+BUFFER_S = 0.160  # the player's buffer before it starts
+RATE = 24000
+
+
+def one_stream(engine: Engine, scheduler, frames: int, seed: int) -> dict:
+    """One request, its chunks taken at once; its timings."""
+    called = time.perf_counter()
+    options = dict(voice="serena", seed=seed, max_new_tokens=frames + 1, ignore_eos=True)
+    stream = scheduler.stream(TEXT, **options) if scheduler is not None else engine.stream(TEXT, **options)
+    arrivals, samples = [], 0
+    for chunk in stream:
+        if chunk.frames:
+            arrivals.append((time.perf_counter() - called, samples))
+        samples += len(chunk.audio)
+    ended = time.perf_counter() - called
+    first = arrivals[0][0]
+    # Chunk k starts playing at first + BUFFER_S + its first sample's time: it must be there by then.
+    continuous = all(at <= first + BUFFER_S + start / RATE for at, start in arrivals)
+    return {"ttfb_s": first, "audio_s": samples / RATE, "wall_s": ended, "continuous": continuous}
+
+
+def run_level(engine: Engine, concurrency: int | str, requests: int, frames: tuple[int, int], gap: float) -> dict:
+    rng = random.Random(17)
+    clients = 1 if concurrency == "solo" else int(concurrency)
+    plan = [[rng.randint(*frames) for _ in range(requests // clients or 1)] for _ in range(clients)]
+    results: list[dict] = []
+    lock = threading.Lock()
+    scheduler = None if concurrency == "solo" else engine.scheduler(max_batch=clients, max_queue=clients)
+
+    def client(index: int) -> None:
+        local = random.Random(index)
+        time.sleep(local.uniform(0, gap))
+        for k, n in enumerate(plan[index]):
+            got = one_stream(engine, scheduler, n, seed=100 * index + k)
+            with lock:
+                results.append(got)
+            time.sleep(local.expovariate(1 / gap))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    stats = scheduler.stats if scheduler is not None else None
+    if scheduler is not None:
+        scheduler.close()
+    ttfb = np.array([r["ttfb_s"] for r in results])
+    rtf = np.array([r["wall_s"] / r["audio_s"] for r in results])
+    return {
+        "concurrency": concurrency,
+        "streams": len(results),
+        "audio_s": sum(r["audio_s"] for r in results),
+        "wall_s": wall,
+        "aggregate": sum(r["audio_s"] for r in results) / wall,
+        "rtf_p50": float(np.percentile(rtf, 50)),
+        "rtf_p95": float(np.percentile(rtf, 95)),
+        "ttfb_p50_s": float(np.percentile(ttfb, 50)),
+        "ttfb_p95_s": float(np.percentile(ttfb, 95)),
+        "continuity": sum(r["continuous"] for r in results) / len(results),
+        "mean_batch": None if stats is None else stats.mean_batch,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    parser.add_argument("--dtypes", default="int8,bfloat16")
+    parser.add_argument("--concurrency", default="solo,1,2,4", help="levels: 'solo' (no scheduler) or numbers")
+    parser.add_argument("--requests", type=int, default=8, help="requests per level (split among the clients)")
+    parser.add_argument("--frames", default="15-40", help="frames per request, a range MIN-MAX")
+    parser.add_argument("--gap", type=float, default=0.3, help="mean pause between a client's requests (s)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    low, _, high = args.frames.partition("-")
+    frames = (int(low), int(high or low))
+    report: dict = {"args": vars(args), "runs": []}
+    for dtype in args.dtypes.split(","):
+        engine = Engine.load(prepared_checkpoint(args.size, dtype), dtype=dtype)
+        if "machine" not in report:  # after loading: the engine sets the thread count
+            report["machine"] = machine()
+            print(json.dumps(report["machine"]))
+        one_stream(engine, None, 3, seed=0)  # warm-up: the native library, the first allocations
+        for level in args.concurrency.split(","):
+            row = {"dtype": dtype, **run_level(engine, level, args.requests, frames, args.gap)}
+            report["runs"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

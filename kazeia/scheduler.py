@@ -1,0 +1,297 @@
+"""Continuous batching: many streams generated together, each exactly as it would be alone.
+
+A `Scheduler` owns the frame steps of an engine's streams (`engine.scheduler(max_batch=...)`).
+Each stream keeps its own thread, frame generator, vocoder state and chunk queue (SpeechStream);
+only its steps go elsewhere: to the scheduler's thread, which at every frame boundary runs at most
+one waiting prefill (a joining request: its prompt and its first frame) and then one batched step
+(kazeia/batch.py) for every active stream whose next step is waiting. A stream waiting for live
+text, or for its consumer to take audio, simply has no step waiting: the others go on without it.
+A stream that ends (EOS, its limits, cancellation) stops submitting; nothing else changes.
+
+Admission is first come, first served: at most `max_batch` streams are admitted at once, at most
+`max_queue` more wait (`stream` raises `SchedulerBusy` beyond that), and a stream waits for its
+turn in its own thread. A cancelled stream leaves the queue at once, or its pending step is
+dropped at the next frame boundary (generate.StepCancelled), so cancellation takes effect within a
+frame. Batch invariance (batch.py) makes every stream's codes and audio independent of which
+others share its steps, when they join and when they leave.
+
+Non-goals: priorities, preemption, and batching prompts (each prefill runs alone, between steps).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import generate
+from .batch import Batch
+from .generate import Decoding, StepCancelled
+from .model import TTSModel
+from .prompt import Prompt
+from .request import Request
+from .sampling import SamplingOptions
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .streaming import Segment, SpeechStream
+
+GRACE_S = 0.005  # how long a step waits for a stream of the previous step that has not resubmitted yet
+RECENT = 1024  # queue waits kept for the statistics
+
+
+class SchedulerBusy(Exception):
+    """The scheduler's queue is full."""
+
+
+class SchedulerClosed(RuntimeError):
+    """The scheduler was closed; it takes no more streams and ends those it runs."""
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """What the scheduler has done so far."""
+
+    steps: int  # batched steps run
+    prefills: int  # prompts run (a stream's segments each have one)
+    batch_sizes: dict[int, int]  # streams in a step -> how many steps had that many
+    active: int  # streams admitted now
+    waiting: int  # streams queued now
+    queue_waits_s: tuple[float, ...]  # seconds from `stream` to admission, the RECENT latest streams
+
+    @property
+    def mean_batch(self) -> float:
+        return sum(k * v for k, v in self.batch_sizes.items()) / self.steps if self.steps else 0.0
+
+
+class _Work:
+    """One step a stream waits for: its prefill or its next frame."""
+
+    def __init__(self, owner: _Ticket, prefill: tuple | None = None, decode: tuple | None = None):
+        self.owner, self.prefill, self.decode = owner, prefill, decode
+        self.done = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+
+    def finish(self, result=None, error: BaseException | None = None) -> None:
+        self.result, self.error = result, error
+        self.done.set()
+
+
+class _Ticket:
+    """A stream's place: queued, then admitted, then released."""
+
+    def __init__(self) -> None:
+        self.should_stop: Callable[[], bool] = lambda: False  # set when its stream starts
+        self.queued_at = time.perf_counter()
+        self.admitted = False
+
+
+class _ScheduledSteps(generate.Steps):
+    """generate.Steps that hand each step to the scheduler's thread and wait for it."""
+
+    def __init__(self, scheduler: Scheduler, ticket: _Ticket):
+        self.scheduler, self.ticket = scheduler, ticket
+
+    def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
+        return self.scheduler._wait(_Work(self.ticket, prefill=(prompt, opts, generator)))
+
+    def decode(self, model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
+        return self.scheduler._wait(_Work(self.ticket, decode=(state, text)))
+
+    def exclusive(self) -> threading.Lock:
+        return self.scheduler._model_lock
+
+
+class Scheduler:
+    """Generates the streams of one engine together (module docstring). Use it in a `with` block or
+    call `close()`; `stream` takes `Engine.stream`'s arguments and returns its kind of stream."""
+
+    def __init__(
+        self, engine: Engine, max_batch: int = 4, max_queue: int = 16, on_step: Callable[[int], None] | None = None
+    ):
+        """`on_step(size)`: called after each batched step with its number of streams (metrics)."""
+        batch = Batch(engine.model)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= batch.max_batch:
+            raise ValueError(f"max_batch must be an integer from 1 to {batch.max_batch}, got {max_batch!r}")
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self.engine, self.batch = engine, batch
+        self.max_batch, self.max_queue, self.on_step = max_batch, max_queue, on_step
+        self._lock = threading.Condition()
+        self._model_lock = threading.Lock()  # held by whoever runs the model (generate.Steps.exclusive)
+        self._queue: deque[_Ticket] = deque()  # waiting for admission, first come first
+        self._active = 0
+        self._pending: list[_Work] = []
+        self._closed = False
+        self._steps = self._prefills = 0
+        self._sizes: Counter[int] = Counter()
+        self._waits: deque[float] = deque(maxlen=RECENT)
+        self._thread = threading.Thread(target=self._run, name="kazeia-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- streams ------------------------------------------------------------------------------
+    def stream(self, text, **options) -> SpeechStream:
+        """`Engine.stream(text, **options)` with its steps run by this scheduler. Raises
+        SchedulerBusy when `max_queue` streams are already waiting for admission."""
+        return self.engine.stream(text, scheduler=self, **options)
+
+    def source(
+        self, request: Request, should_stop: Callable[[], bool] | None = None
+    ) -> Callable[[Callable[[], bool]], Iterator[torch.Tensor | Segment]]:
+        """For SpeechStream: `make_frames(stop)` giving `Engine.timeline(request)` through this
+        scheduler. The stream is queued now (SchedulerBusy when the queue is full); its frames
+        wait for admission when they are first asked for. `should_stop`: as `Engine.stream`'s."""
+        ticket = self._enqueue()
+
+        def make_frames(stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
+            ticket.should_stop = stop if should_stop is None else (lambda: stop() or should_stop())
+            return self._admitted(ticket, request)
+
+        return make_frames
+
+    def _admitted(self, ticket: _Ticket, request: Request) -> Iterator[torch.Tensor | Segment]:
+        try:
+            if not self._admit(ticket):
+                return
+            yield from self.engine.timeline(request, ticket.should_stop, _ScheduledSteps(self, ticket))
+        finally:
+            self._release(ticket)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            return SchedulerStats(
+                self._steps, self._prefills, dict(self._sizes), self._active, len(self._queue), tuple(self._waits)
+            )
+
+    def close(self) -> None:
+        """Stop taking streams, fail the steps of those still running (SchedulerClosed), end the thread."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> Scheduler:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- admission ----------------------------------------------------------------------------
+    def _enqueue(self) -> _Ticket:
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosed("the scheduler is closed")
+            if self._active + len(self._queue) >= self.max_batch + self.max_queue:
+                raise SchedulerBusy(f"{len(self._queue)} streams are already waiting (max_queue={self.max_queue})")
+            ticket = _Ticket()
+            self._queue.append(ticket)
+            return ticket
+
+    def _admit(self, ticket: _Ticket) -> bool:
+        """Wait until `ticket` is first in the queue and a place is free; False if it was stopped
+        (or the scheduler closed) meanwhile."""
+        with self._lock:
+            while True:
+                if self._closed or ticket.should_stop():
+                    return False
+                if self._queue[0] is ticket and self._active < self.max_batch:
+                    self._queue.popleft()
+                    self._active += 1
+                    ticket.admitted = True
+                    self._waits.append(time.perf_counter() - ticket.queued_at)
+                    self._lock.notify_all()  # the next in line may be admitted too
+                    return True
+                self._lock.wait(0.05)  # polls the stop flag
+
+    def _release(self, ticket: _Ticket) -> None:
+        with self._lock:
+            if ticket.admitted:
+                self._active -= 1
+                ticket.admitted = False
+            elif ticket in self._queue:
+                self._queue.remove(ticket)
+            self._lock.notify_all()
+
+    # -- steps --------------------------------------------------------------------------------
+    def _wait(self, work: _Work):
+        with self._lock:
+            if self._closed:
+                raise SchedulerClosed("the scheduler is closed")
+            self._pending.append(work)
+            self._lock.notify_all()
+        work.done.wait()
+        if work.error is not None:
+            raise work.error
+        return work.result
+
+    def _run(self) -> None:
+        previous: set[_Ticket] = set()  # the streams that got a frame from the last step
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    for work in self._pending:
+                        work.finish(error=SchedulerClosed("the scheduler was closed"))
+                    self._pending = []
+                    return
+                deadline = time.perf_counter() + GRACE_S
+                while previous - {w.owner for w in self._pending} and not self._closed:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._lock.wait(left)
+                prefills = [w for w in self._pending if w.prefill is not None]
+                decodes = [w for w in self._pending if w.decode is not None]
+                self._pending = prefills[1:]
+            if prefills:
+                self._prefill(prefills[0])
+            previous = self._decode(decodes) if decodes else set()
+
+    def _prefill(self, work: _Work) -> None:
+        if work.owner.should_stop():
+            work.finish(error=StepCancelled())
+            return
+        try:
+            prompt, opts, generator = work.prefill  # type: ignore[misc]
+            with self._model_lock:
+                made = generate.prefill(self.engine.model, prompt, opts, generator)
+            work.finish(made)
+        except BaseException as error:  # the stream's thread raises it
+            work.finish(error=error)
+        with self._lock:
+            self._prefills += 1
+
+    def _decode(self, decodes: list[_Work]) -> set[_Ticket]:
+        """One batched step for the waiting streams; the set of those that got a frame."""
+        going = []
+        for work in decodes:
+            if work.owner.should_stop():
+                work.finish(error=StepCancelled())
+            else:
+                going.append(work)
+        if not going:
+            return set()
+        try:
+            with self._model_lock:
+                results = self.batch.decode_frames([w.decode[0] for w in going], [w.decode[1] for w in going])  # type: ignore[index]
+        except BaseException as error:
+            for work in going:
+                work.finish(error=error)
+            return set()
+        with self._lock:
+            self._steps += 1
+            self._sizes[len(going)] += 1
+        if self.on_step is not None:
+            self.on_step(len(going))
+        for work, codes in zip(going, results, strict=True):
+            work.finish(codes)
+        return {w.owner for w, codes in zip(going, results, strict=True) if codes is not None}

@@ -1,0 +1,400 @@
+"""Batched frame steps and the scheduler (kazeia/batch.py, kazeia/scheduler.py): every request's
+codes and audio equal its solo run bit for bit, whatever joins, leaves or pauses beside it."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import INT8, requires_int8
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kazeia import Engine, generate
+from kazeia.batch import Batch, row_product
+from kazeia.live import TextFeed
+from kazeia.prompt import build_prompt
+from kazeia.scheduler import SchedulerBusy
+from kazeia.segment import LongTextOptions
+
+TEXTS = (
+    "Hello there, how are you today?",
+    "Short one.",
+    "A somewhat longer sentence that goes on for a while.",
+    "Yes, and then some more words.",
+)
+WORDS = "The quick brown fox jumps over the lazy dog again and again.".split(" ")
+
+
+@pytest.fixture(scope="module")
+def typed(tiny_checkpoints):
+    """dtype -> an engine of the tiny 0.6B CustomVoice checkpoint in that precision."""
+    made: dict[str, Engine] = {}
+
+    def get(dtype: str, name: str = "0.6B-custom") -> Engine:
+        if (dtype, name) not in made:
+            made[dtype, name] = Engine.load(tiny_checkpoints[name], dtype=dtype)
+        return made[dtype, name]
+
+    return get
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_gemv_gives_each_of_many_rows_its_one_row_result(dtype):
+    """gemv.c's rows in pairs: rows 0..m-1 of one call equal m calls of one row each, bit for bit
+    (odd counts, and widths that leave a remainder after the vector loops)."""
+    from kazeia import native
+    from kazeia.native.linear import NativeLinear
+
+    lib = native.library()
+    if lib is None or (dtype == torch.float16 and not lib.has_float16()):
+        pytest.skip("no native library for this dtype")
+    g = torch.Generator().manual_seed(3)
+    linear = NativeLinear(torch.nn.Linear(200, 37).to(dtype), lib)
+    product = row_product(linear)
+    x = torch.randn(7, 200, generator=g).to(dtype)
+    together = product(x, 7)
+    for i in range(7):
+        assert torch.equal(together[i : i + 1], linear(x[i : i + 1]))
+
+
+@requires_int8
+def test_int8_rows_depend_on_their_own_request_only_and_stay_accurate():
+    """The anchored int8 grid: a request's rows give the same result whatever rows share the call
+    (here requests of very different ranges), and the error stays at the weights' rounding."""
+    from kazeia import native
+    from kazeia.quant import QuantLinear
+
+    g = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(96, 256, generator=g), torch.randn(96, generator=g)
+    product = row_product(QuantLinear.from_float(weight, bias, native.library()))
+    x = torch.randn(4, 2, 256, generator=g) * torch.tensor([1e-3, 1.0, 40.0, 3e4])[:, None, None]
+    with torch.inference_mode():
+        together = product(x.reshape(8, 256), 4).view(4, 2, 96)
+        for b in range(4):
+            assert torch.equal(together[b], product(x[b], 1))
+        scales = weight.abs().amax(dim=1, keepdim=True) / 127
+        exact = x @ (torch.round(weight / scales) * scales).T + bias
+        for b in range(4):
+            error = (together[b] - exact[b]).norm() / (exact[b] - bias).norm()
+            assert error < 1e-3
+
+
+def _prefilled(engine: Engine, i: int, seed: int, frames: int):
+    request = engine.request(TEXTS[i], voice=engine.voices[0] if engine.voices else None, seed=seed,
+                             do_sample=True, max_new_tokens=frames)  # fmt: skip
+    part = request.parts[0]
+    prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
+    generator = torch.Generator().manual_seed(part.seed)
+    state, codes = generate.prefill(engine.model, prompt, request.options, generator)
+    return state, prompt, [codes]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", INT8, "int4"])
+@pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
+@torch.inference_mode()
+def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
+    """Four requests of different lengths stepped together, each leaving at its own end: their
+    codes equal one batched step at a time of each alone, and for float and int4 weights the
+    solo frame loop's (generate.decode_frame) too."""
+    engine = typed(dtype, name)
+    batch = Batch(engine.model)
+    # The native products read weights once for all rows; the tiny 1.7B's int4 model keeps a float
+    # product whose width int4 does not take (an F.linear): its requests step one by one instead.
+    assert batch.rows_shared == (name != "1.7B-custom" or dtype != "int4")
+    frames = [9, 14, 20, 27]
+
+    def alone(i: int, batched: bool) -> torch.Tensor:
+        state, prompt, made = _prefilled(engine, i, i + 5, frames[i])
+        while made[-1] is not None:
+            text = prompt.text_at(state.frames - 1)
+            step = (
+                batch.decode_frames([state], [text])[0] if batched else generate.decode_frame(engine.model, state, text)
+            )
+            made.append(step)
+        return torch.cat(made[:-1])
+
+    items = [_prefilled(engine, i, i + 5, frames[i]) for i in range(4)]
+    live = [i for i in range(4) if items[i][2][-1] is not None]
+    while live:
+        states = [items[i][0] for i in live]
+        texts = [items[i][1].text_at(items[i][0].frames - 1) for i in live]
+        for i, codes in zip(live, batch.decode_frames(states, texts), strict=True):
+            items[i][2].append(codes)
+        live = [i for i in live if items[i][2][-1] is not None]
+    for i in range(4):
+        together = torch.cat(items[i][2][:-1])
+        assert torch.equal(together, alone(i, batched=True))
+        if dtype != "int8":
+            assert torch.equal(together, alone(i, batched=False))
+
+
+def _speak(stream, cancel_after: int | None = None):
+    """Audio and codes of a stream; with `cancel_after`, closed after that many chunks."""
+    pieces = []
+    for n, chunk in enumerate(stream, 1):
+        pieces.append(chunk.audio)
+        if cancel_after is not None and n >= cancel_after:
+            stream.close()
+            break
+    audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+    return audio, stream.codes
+
+
+def _options(engine: Engine, spec) -> dict:
+    _, frames, seed, _, _ = spec
+    return dict(voice=engine.voices[0], seed=seed, do_sample=True, max_new_tokens=frames, chunk_frames=2)
+
+
+def _live_feed(pause: float) -> TextFeed:
+    feed = TextFeed()
+
+    def feed_words() -> None:
+        for word in WORDS:
+            feed.append(word + " ")
+            time.sleep(pause)
+        feed.end()
+
+    threading.Thread(target=feed_words, daemon=True).start()
+    return feed
+
+
+REQUEST = st.tuples(
+    st.floats(0, 0.015),  # arrival delay (s)
+    st.integers(4, 24),  # max_new_tokens
+    st.integers(0, 3),  # seed (and text)
+    st.none() | st.integers(1, 4),  # cancel after this many chunks
+    st.booleans(),  # live text, arriving word by word with pauses
+)
+
+
+@pytest.mark.parametrize("dtype", ["float32", INT8, "bfloat16"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(REQUEST, min_size=2, max_size=6), max_batch=st.integers(1, 4))
+def test_staggered_streams_equal_their_solo_runs(typed, dtype, specs, max_batch):
+    """Random arrivals, lengths, seeds, cancellations and live-text pauses through one scheduler:
+    every stream's audio and codes equal those of the same request run alone (for float32, the
+    engine's own stream without a scheduler; for int8 and bfloat16, alone in a scheduler), and a
+    cancelled stream's audio is the start of its solo audio."""
+    engine = typed(dtype)
+    results: list = [None] * len(specs)
+    with engine.scheduler(max_batch=max_batch, max_queue=len(specs)) as scheduler:
+
+        def run(k: int) -> None:
+            delay, _, seed, cancel_after, live = specs[k]
+            time.sleep(delay)
+            text = _live_feed(0.002 * (k + 1)) if live else TEXTS[seed]
+            results[k] = _speak(scheduler.stream(text, **_options(engine, specs[k])), cancel_after)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(len(specs))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert max(scheduler.stats.batch_sizes, default=1) <= max_batch
+    for k, spec in enumerate(specs):
+        _, _, seed, cancel_after, live = spec
+        text = [w + " " for w in WORDS] if live else TEXTS[seed]
+        if dtype == "float32":
+            solo = _speak(engine.stream(text, **_options(engine, spec)))
+        else:
+            with engine.scheduler(max_batch=1) as alone:
+                solo = _speak(alone.stream(text, **_options(engine, spec)))
+        audio, codes = results[k]
+        if cancel_after is None:
+            assert np.array_equal(codes, solo[1])
+            assert np.array_equal(audio, solo[0])
+        else:
+            assert np.array_equal(audio, solo[0][: len(audio)])
+
+
+def test_long_text_and_speed_go_through_the_scheduler(typed):
+    """Segments (each with its own prefill and runaway guard) and a time stretch, batched with
+    another stream: the engine's own stream, bit for bit, segments included."""
+    engine = typed("float32")
+    long = LongTextOptions(segment_tokens=8)
+    text = "First part of it. Then a second sentence here. And a third one to end."
+    options = dict(voice="serena", seed=3, speed=1.25, long_text=long, max_new_tokens=12, chunk_frames=3)
+    solo_stream = engine.stream(text, **options)
+    solo = _speak(solo_stream)
+    with engine.scheduler(max_batch=2) as scheduler:
+        other = scheduler.stream(TEXTS[2], voice="ryan", seed=1, max_new_tokens=40)
+        stream = scheduler.stream(text, **options)
+        audio, codes = _speak(stream)
+        _speak(other)
+        assert max(scheduler.stats.batch_sizes) == 2
+    assert len(stream.segments) >= 2
+    assert stream.segments == solo_stream.segments
+    assert np.array_equal(codes, solo[1]) and np.array_equal(audio, solo[0])
+
+
+def test_admission_is_first_come_and_the_queue_is_bounded(typed):
+    """max_batch 1: streams are admitted in the order they were made; past max_queue waiting
+    streams the next is refused; bad sizes are errors."""
+    engine = typed("float32")
+    with pytest.raises(ValueError, match="max_batch"):
+        engine.scheduler(max_batch=0)
+    with pytest.raises(ValueError, match="max_queue"):
+        engine.scheduler(max_queue=-1)
+    order: list[int] = []
+    with engine.scheduler(max_batch=1, max_queue=3) as scheduler:
+        streams = [scheduler.stream(TEXTS[k], voice="serena", seed=k, max_new_tokens=10) for k in range(4)]
+        with pytest.raises(SchedulerBusy):
+            scheduler.stream(TEXTS[0], voice="serena", seed=9)
+
+        def take(k: int) -> None:
+            for _ in streams[k]:
+                pass
+            order.append(k)
+
+        threads = [threading.Thread(target=take, args=(k,)) for k in reversed(range(4))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        stats = scheduler.stats
+    assert order == [0, 1, 2, 3]
+    assert set(stats.batch_sizes) == {1} and stats.active == 0 and stats.waiting == 0
+    assert stats.queue_waits_s[0] < stats.queue_waits_s[-1]
+
+
+def test_a_cancelled_stream_stops_within_a_frame_and_the_others_go_on(typed):
+    engine = typed("float32")
+    with engine.scheduler(max_batch=2) as scheduler:
+        kept = scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=30, ignore_eos=True)
+        dropped = scheduler.stream(TEXTS[1], voice="ryan", seed=2, max_new_tokens=400, ignore_eos=True)
+        next(iter(dropped))
+        dropped.close()
+        at_close = dropped.frames_generated
+        audio, codes = _speak(kept)
+        time.sleep(0.05)
+        assert dropped.frames_generated <= at_close + 1
+        assert dropped.finish_reason == "cancelled"
+    solo = _speak(engine.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=30, ignore_eos=True))
+    assert np.array_equal(codes, solo[1]) and np.array_equal(audio, solo[0])
+
+
+def test_a_queued_stream_that_is_closed_leaves_the_queue(typed):
+    engine = typed("float32")
+    with engine.scheduler(max_batch=1, max_queue=1) as scheduler:
+        first = scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=200, ignore_eos=True)
+        waiting = scheduler.stream(TEXTS[1], voice="serena", seed=2)
+        next(iter(first))
+        waiting.close()
+        deadline = time.monotonic() + 5
+        while scheduler.stats.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.stats.waiting == 0
+        scheduler.stream(TEXTS[2], voice="serena", seed=3).close()  # the place is free again
+        first.close()
+
+
+def test_closing_the_scheduler_ends_its_streams_with_an_error(typed):
+    from kazeia.scheduler import SchedulerClosed
+
+    engine = typed("float32")
+    scheduler = engine.scheduler(max_batch=2)
+    stream = scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=2000, ignore_eos=True)
+    next(iter(stream))
+    scheduler.close()
+    with pytest.raises(SchedulerClosed):
+        for _ in stream:
+            pass
+    with pytest.raises(SchedulerClosed):
+        scheduler.stream(TEXTS[0], voice="serena")
+
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+
+def test_max_batch_is_checked():
+    from kazeia.server import ServerConfig
+
+    for bad in (0, -1, True, 1.5, 65):
+        with pytest.raises(ValueError, match="max_batch"):
+            ServerConfig("m", max_batch=bad)
+    assert ServerConfig("m").max_batch == 1  # one utterance at a time unless asked
+
+
+def test_a_full_queue_is_refused_with_retry_after_under_max_batch(engines):
+    """--max-batch 2, --queue-size 1: of 8 long requests at once, 2 are generated together (a third
+    may wait), the rest get 503 with a Retry-After; the server ends idle."""
+    import httpx
+    from server_support import LiveServer
+
+    from kazeia.server import Limits, ServerConfig, create_app
+
+    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", queue_size=1, max_batch=2,
+                                                          limits=Limits(max_new_tokens=400)))  # fmt: skip
+    body = dict(input=TEXTS[0], voice="serena", max_new_tokens=300, ignore_eos=True, response_format="pcm")
+
+    async def client(http, k: int) -> tuple[int, str | None]:
+        async with http.stream("POST", "/v1/audio/speech", json={**body, "seed": k}) as response:
+            await response.aread()
+            return response.status_code, response.headers.get("retry-after")
+
+    async def all_clients(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as http:
+            return await asyncio.gather(*(client(http, k) for k in range(8)))
+
+    with LiveServer(app) as server:
+        got = asyncio.run(all_clients(server.url))
+        worker = app.state.kazeia.worker
+        deadline = time.monotonic() + 10
+        while worker.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.active == 0
+    statuses = [status for status, _ in got]
+    assert 2 <= statuses.count(200) <= 3 and statuses.count(503) == 8 - statuses.count(200)
+    assert max(worker.scheduler.stats.batch_sizes) == 2
+    assert all(int(after) >= 1 for status, after in got if status == 503)
+
+
+def test_the_server_serves_16_clients_with_max_batch_4(engines):
+    """16 concurrent streaming clients against --max-batch 4, a few leaving early: every complete
+    response is the engine's own audio for its request, steps were batched, and the server ends idle."""
+    import httpx
+    from server_support import LiveServer, assert_pcm_close, offline_pcm
+
+    from kazeia.server import Limits, ServerConfig, create_app
+
+    engine = engines["0.6B-custom"]
+    config = ServerConfig("tiny-custom", queue_size=16, max_batch=4, limits=Limits(max_new_tokens=64))
+    app = create_app(engine, config)
+    bodies = [
+        dict(input=TEXTS[k % 4], voice=("serena", "ryan")[k % 2], seed=k, max_new_tokens=6 + k, response_format="pcm")
+        for k in range(16)
+    ]
+
+    async def client(http, k: int) -> bytes | None:
+        async with http.stream("POST", "/v1/audio/speech", json=bodies[k]) as response:
+            assert response.status_code == 200
+            data = b""
+            async for piece in response.aiter_bytes():
+                data += piece
+                if k % 5 == 4 and data:
+                    return None  # leaves early
+            return data
+
+    async def all_clients(url: str):
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as http:
+            return await asyncio.gather(*(client(http, k) for k in range(16)))
+
+    with LiveServer(app) as server:
+        got = asyncio.run(all_clients(server.url))
+        deadline = time.monotonic() + 10
+        worker = app.state.kazeia.worker
+        while worker.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.active == 0
+        metrics = httpx.get(f"{server.url}/metrics").text
+    sizes = worker.scheduler.stats.batch_sizes
+    assert max(sizes) > 1 and max(sizes) <= 4
+    assert "kazeia_batch_size_count" in metrics and "kazeia_queue_wait_seconds_count" in metrics
+    for k, data in enumerate(got):
+        if data is not None:
+            options = {key: v for key, v in bodies[k].items() if key not in ("input", "response_format")}
+            assert_pcm_close(data, offline_pcm(engine, bodies[k]["input"], **options))
