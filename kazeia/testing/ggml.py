@@ -163,6 +163,21 @@ def round_trip(weight: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.asarray(back, dtype=np.float32).reshape(weight.shape).copy())
 
 
+def _unpack(model: nn.Module) -> None:
+    """oneDNN-packed products (kazeia.layers.PackedLinear, where the CPU runs them) back to plain
+    Linears, whose weights can be rewritten."""
+    from kazeia.layers import PackedLinear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                plain.weight.data = child.weight.to_dense()
+                if child.bias is not None:
+                    plain.bias.data = child.bias
+                setattr(parent, name, plain.requires_grad_(False))
+
+
 def use_more_bits(layer: int, layers: int) -> bool:
     """llama.cpp's choice of the layers whose v and down projections Q4_K_M keeps at Q6_K."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
@@ -190,6 +205,7 @@ def apply_q4_k_m(model: nn.Module, activations: str = "q8_k") -> None:
     input passes through its hooks)."""
     if activations not in ("q8_k", "float"):
         raise ValueError(f"activations must be 'q8_k' or 'float', got {activations!r}")
+    _unpack(model)
     stacks = (model.talker, model.code_predictor)
     done: set[int] = set()
     for stack in stacks:
@@ -212,6 +228,10 @@ def apply_q4_k_m(model: nn.Module, activations: str = "q8_k") -> None:
             continue  # codec embeddings: looked up, not multiplied; kept as they are
         head = "head" in name.rsplit(".", 1)[-1]
         module.weight.copy_(round_trip(weight, "Q6_K" if head else "Q4_K"))
+    if activations == "float":
+        from kazeia import native
+
+        model.choose_steps(native.library())  # the C glue again, over the plain products
     if activations == "q8_k":
         for stack in stacks:
             stack.native_step = None  # the C glue calls the products' forward, past any hook
