@@ -33,17 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import load_tensors, resolve
+from .checkpoint import DTYPES, load_tensors, resolve
 from .config import CheckpointError, ModelConfig
 
 FORMAT, VERSION = "kazeia-prepared", "1"
-DTYPES: dict[str, torch.dtype | str] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int8": "int8",
-    "int4": "int4",
-}
 QUANTIZED = ("int8", "int4")  # stored under module names, as the products multiply them
 WEIGHTS = "model.safetensors"
 
