@@ -24,6 +24,7 @@ is not a multiple of 64 (none in the released models) stay float32.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -188,17 +189,27 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) float32 -> (..., out) float32."""
-        rows = x.reshape(-1, self.in_features).float().contiguous()
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        status = self.lib.int4_gemv(self.qweight.data_ptr(), self.steps.data_ptr(), self.offsets.data_ptr(),
-                                    self.factors.data_ptr(), rows.data_ptr(), bias, y.data_ptr(), self.out_features,
-                                    self.in_features, rows.shape[0])  # fmt: skip
+        status = self._product()(rows.data_ptr(), self._bias, y.data_ptr(), self.out_features, self.in_features,
+                                 rows.shape[0])  # fmt: skip
         if status == -2:
             raise MemoryError(f"int4 product of {rows.shape[0]} rows: out of memory")
         if status != 0:
             raise RuntimeError(f"int4 product refused {rows.shape[0]} x {self.in_features} -> {self.out_features}")
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _product(self):
+        """The native product with this layer's weight addresses bound (a decode step makes ~400
+        of these calls a frame); bound again if the buffers have moved."""
+        key = self.qweight.data_ptr()
+        if getattr(self, "_bound", (None,))[0] != key:
+            weights = (self.qweight, self.steps, self.offsets, self.factors)
+            self._bias = None if self.bias is None else self.bias.data_ptr()
+            self._bound = (key, functools.partial(self.lib.int4_gemv, *(t.data_ptr() for t in weights)))
+        return self._bound[1]
 
 
 class HeadLinear(nn.Module):
