@@ -20,6 +20,7 @@ Non-goals: priorities, preemption, and batching prompts (each prefill runs alone
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from .engine import Engine
     from .streaming import Segment, SpeechStream
 
+log = logging.getLogger(__name__)
 GRACE_S = 0.005  # how long a step waits for a stream of the previous step that has not resubmitted yet
 RECENT = 1024  # queue waits kept for the statistics
 
@@ -291,7 +293,10 @@ class Scheduler:
             self._steps += 1
             self._sizes[len(going)] += 1
         if self.on_step is not None:
-            self.on_step(len(going))
+            try:
+                self.on_step(len(going))
+            except Exception:  # a metrics callback must not stop every stream's steps
+                log.exception("kazeia: the scheduler's on_step callback failed")
         for work, codes in zip(going, results, strict=True):
             work.finish(codes)
         return {w.owner for w, codes in zip(going, results, strict=True) if codes is not None}

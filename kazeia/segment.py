@@ -41,10 +41,14 @@ ABBREVIATIONS = frozenset(
 _TERMINATORS = ".!?…"
 _CJK_TERMINATORS = "。！？｡．"
 _CLOSERS = "\"'”’»)]}」』）】〉》"
-# A sentence end, the closing quotes/brackets after it, and the whitespace after those.
+# A sentence end, the closing quotes/brackets after it, and the whitespace after those. A match
+# starts only at the first character of a run of terminators (or of spaces before a newline): from
+# inside a run it could only end where the run's first character's match ends, and trying every
+# position of a long run ("a....b", spaces with no newline) would take time quadratic in its length.
 _SENTENCE_END = re.compile(
-    rf"(?:[{re.escape(_TERMINATORS)}]+[{re.escape(_CLOSERS)}]*(?=\s|$)|[{_CJK_TERMINATORS}]+[{re.escape(_CLOSERS)}]*)\s*"
-    r"|[^\S\n]*\n\s*"
+    rf"(?:(?<![{re.escape(_TERMINATORS)}])[{re.escape(_TERMINATORS)}]+[{re.escape(_CLOSERS)}]*(?=\s|$)"
+    rf"|[{_CJK_TERMINATORS}]+[{re.escape(_CLOSERS)}]*)\s*"
+    r"|(?<![^\S\n])[^\S\n]*\n\s*"
 )
 # A clause end: Latin punctuation followed by whitespace, a spaced dash, or CJK clause punctuation.
 _CLAUSE_END = re.compile(r"(?:[,;:](?=\s)|\s[—–-](?=\s)|[，、；：])\s*")

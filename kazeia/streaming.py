@@ -254,10 +254,15 @@ class SpeechStream:
             samples = self._stretch.push(samples)
             if is_last:
                 samples = np.concatenate([samples, self._stretch.flush()])
-        ended = tuple(at_speed(segment, self._speed) for segment in self._ended)
+        # At a speed other than 1 the stretch holds back the last ~35-140 ms: a segment is listed
+        # with the chunk that completes its audio (the last one lists any left).
+        held = [at_speed(segment, self._speed) for segment in self._ended]
+        out = self._samples + len(samples)
+        complete = [is_last or segment.end_sample <= out for segment in held]
+        ended = tuple(segment for segment, done in zip(held, complete, strict=True) if done)
         chunk = AudioChunk(samples, self._samples, len(frames), is_last, ended)
         self.segments += ended
-        self._ended = []
+        self._ended = [segment for segment, done in zip(self._ended, complete, strict=True) if not done]
         self._frames += len(frames)
         self._chunks += 1
         self._samples += len(samples)

@@ -138,6 +138,17 @@ def test_client_disconnect_stops_generation_within_one_frame(live):
     assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
 
 
+def test_a_whole_response_client_that_leaves_stops_generation(live):
+    """`stream: false` sends nothing before the end, so the server polls for a client that left."""
+    worker = live.app.state.kazeia.worker
+    jobs = len(worker.records)
+    with httpx.Client(base_url=live.url, timeout=0.5) as client:
+        with pytest.raises(httpx.ReadTimeout):  # leaves while the whole answer is being made
+            client.post("/v1/audio/speech", json=_body(response_format="pcm", stream=False, **LONG))
+    record = _wait_for_record(worker, jobs + 1)
+    assert record.status == "cancelled" and record.frames < 149
+
+
 def test_websocket_disconnect_stops_generation_within_one_frame(live):
     from websockets.sync.client import connect
 

@@ -203,8 +203,8 @@ def test_segments_of_a_long_text_are_in_output_time(engine):
         assert abs(a.end_sample - b.end_sample / 0.75) <= 1
         assert a.text == b.text and a.finish_reason == b.finish_reason
     stream = engine.stream(text, speed=0.75, long_text=long_text, first_chunk_frames=1, chunk_frames=3, **options)
-    for _ in stream:
-        pass
+    for chunk in stream:  # a segment comes with the chunk that completes its audio, not before
+        assert all(segment.end_sample <= chunk.start_sample + len(chunk.audio) for segment in chunk.segments)
     assert list(stream.segments) == list(slow.segments)
 
 

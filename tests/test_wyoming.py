@@ -498,3 +498,26 @@ def test_idle_and_surplus_connections_are_closed_with_an_error(engines):
     assert surplus.code == "too_many_connections" and "at most 1 connections" in surplus.text
     assert idle.code == "idle_timeout" and "0.3 s" in idle.text
     assert after_surplus is None and after_idle is None  # both closed by the server
+
+
+def test_a_long_text_is_spoken_whole_in_segments(engines):
+    """A text over the segment budget is spoken as one utterance of several segments: every
+    segment's audio, then audio-stop (the segments themselves have no Wyoming event)."""
+    engine = engines["0.6B-custom"]
+    text = " ".join(f"Sentence number {i} makes this reply a little longer." for i in range(16))
+    request = engine.request(text, voice="ryan", **OPTIONS)
+    assert len(request.parts) >= 2  # more than one segment
+    with serve(engine, limits=Limits(max_input_chars=2000, max_new_tokens=600)) as live:
+
+        async def speak() -> list[Event]:
+            async with live.client() as client:
+                await client.write_event(Event("synthesize", {"text": text, "voice": {"name": "Ryan"}}))
+                return await read_until(client, "audio-stop", "error")
+
+        events = asyncio.run(speak())
+    assert events[-1].type == "audio-stop"
+    expected = offline_pcm(engine, text, voice="ryan", **OPTIONS)
+    pcm = audio_of(events)
+    assert len(pcm) == len(expected)
+    a, b = np.frombuffer(pcm, "<i2").astype(int), np.frombuffer(expected, "<i2").astype(int)
+    assert np.max(np.abs(a - b)) <= 1

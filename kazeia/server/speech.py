@@ -52,9 +52,11 @@ async def speech(request: Request) -> Response:
         raise ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)}) from None
     headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.request.seed)}
     if not parsed.stream:
+        watch = asyncio.create_task(_cancel_when_gone(request, job))
         try:
             body_bytes, outcome = await _whole(job, encoder.header(), limits.max_response_bytes, s.metrics)
         finally:
+            watch.cancel()
             job.cancel()  # a no-op once the job has finished
         headers["X-Kazeia-Finish-Reason"] = outcome.finish_reason or ""
         return Response(body_bytes, media_type=parsed.audio_format.media_type, headers=headers)
@@ -63,6 +65,14 @@ async def speech(request: Request) -> Response:
         return _JobResponse(job, events, media_type="text/event-stream", headers=headers)
     audio = _audio(job, encoder.header(), s.metrics)
     return _JobResponse(job, audio, media_type=parsed.audio_format.media_type, headers=headers)
+
+
+async def _cancel_when_gone(request: Request, job: Job) -> None:
+    """A whole (`stream: false`) response is made before anything is sent, so nothing notices a
+    client that leaves: poll for it, and cancel its job then (freeing the worker)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.1)
+    job.cancel()
 
 
 class _JobResponse(StreamingResponse):

@@ -299,6 +299,8 @@ class Connection(AsyncEventHandler):
                         chunk = AudioChunk(SAMPLE_RATE, WIDTH, CHANNELS, item, timestamp=samples * 1000 // SAMPLE_RATE)
                         await self._send(chunk.event())
                     samples += len(item) // WIDTH
+                elif not isinstance(item, Outcome):  # a long text's Segment: Wyoming has no event for it
+                    continue
                 elif item.status == "failed" and not utterance.failed:
                     utterance.failed = True
                     await self._send(_failure(item).event())
