@@ -125,6 +125,9 @@ class Job:
         self._waited = 0.0  # seconds the worker has spent waiting for room, in all
         self._room = threading.Condition()
         self._cancelled = threading.Event()
+        # Held while the worker makes the stream and names it, and while a cancel reads its frame
+        # count: frames the stream's thread makes before it is named are counted, not taken for 0.
+        self.starting = threading.Lock()
 
     @property
     def cancelled(self) -> bool:
@@ -134,9 +137,10 @@ class Job:
         """Stop this job: before its next frame if it is generating, at once if it is waiting."""
         if self.finished or self._cancelled.is_set():
             return
-        self._cancelled.set()  # first, so at most one frame can follow the count read below
-        stream = self.stream
-        self.frames_at_cancel = stream.frames_generated if stream is not None else 0
+        with self.starting:
+            self._cancelled.set()  # first, so at most one frame can follow the count read below
+            stream = self.stream
+            self.frames_at_cancel = stream.frames_generated if stream is not None else 0
 
     async def outcomes(self) -> AsyncIterator[bytes | Segment | Outcome]:
         """On the event loop: the job's bytes and ended segments as they come, then its Outcome;
@@ -287,8 +291,9 @@ class Worker:
         samples, ttfb = 0, None
         try:
             stop = lambda: job.cancelled  # noqa: E731
-            stream = self.engine.stream_request(job.request, self.schedule, stop, scheduler=self.scheduler)
-            job.stream = stream
+            with job.starting:
+                stream = self.engine.stream_request(job.request, self.schedule, stop, scheduler=self.scheduler)
+                job.stream = stream
             with stream:
                 for chunk in stream:
                     if job.cancelled:
