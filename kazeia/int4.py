@@ -177,6 +177,8 @@ class Int4Linear(nn.Module):
             self.register_buffer(name, t.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
         self.lib = lib
+        self._bound: tuple | None = None  # (the codes' address, the product with the addresses bound)
+        self._bias: int | None = None
 
     @property
     def stored(self) -> dict[str, torch.Tensor]:
@@ -205,7 +207,7 @@ class Int4Linear(nn.Module):
         """The native product with this layer's weight addresses bound (a decode step makes ~400
         of these calls a frame); bound again if the buffers have moved."""
         key = self.qweight.data_ptr()
-        if getattr(self, "_bound", (None,))[0] != key:
+        if self._bound is None or self._bound[0] != key:
             weights = (self.qweight, self.steps, self.offsets, self.factors)
             self._bias = None if self.bias is None else self.bias.data_ptr()
             self._bound = (key, functools.partial(self.lib.int4_gemv, *(t.data_ptr() for t in weights)))

@@ -49,8 +49,8 @@ class TTSModel(nn.Module):
     def load(cls, cfg: ModelConfig, path: Path, device: torch.device | str, dtype: torch.dtype | str) -> TTSModel:
         """Load `model.safetensors`; dtype is a float dtype, "int8" (see kazeia/quant.py) or "int4"
         (kazeia/int4.py)."""
-        int8 = dtype in ("int8", "int4")  # quantized: the file's precision is kept until then
-        if int8 and torch.device(device).type != "cpu":
+        quantized = dtype in QUANTIZED  # the file's precision is kept until each weight is quantized
+        if quantized and torch.device(device).type != "cpu":
             raise ValueError(f"dtype {dtype!r} runs on the CPU only; use bfloat16 or float16 on a GPU")
         if dtype == "int8" and (why := int8_supported()) is not None:
             raise ValueError(f"dtype {dtype!r} cannot run here: {why}; use float32 or bfloat16")
@@ -76,12 +76,12 @@ class TTSModel(nn.Module):
             return model.eval()
         # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep
         # every page of the file resident next to the replacements until the last tensor is gone.
-        # int8 keeps the file's precision until each weight is quantized.
         base = cfg.tts_model_type == "base"
-        raw = load_tensors(path, None if int8 else dtype, mmap=False)
+        kept = None if quantized else dtype  # the precision tensors are read in (None: the file's)
+        raw = load_tensors(path, kept, mmap=False)
         tensors = rename(raw, str(path), skip_speaker_encoder=base)
         del raw
-        assign(model, tensors, str(path), device=device, dtype=None if int8 else dtype, released_name=released_name)
+        assign(model, tensors, str(path), device=device, dtype=kept, released_name=released_name)
         del tensors
         model.prepare(torch.device(device), dtype)
         return model.eval()
@@ -96,14 +96,11 @@ class TTSModel(nn.Module):
         cpu = device.type == "cpu"
         lib = native.library() if cpu else None  # None: no compiler, KAZEIA_NATIVE=0, or a GPU
         fuse_projections(self, after_each=release_freed_memory)
-        if dtype == "int8":
-            # Products: fbgemm's int8 GEMM on two activation rows (kazeia/quant.py).
-            quantize_linears(self, lib, after_each=release_freed_memory)
-            self.talker.text_embedding = QuantEmbedding.from_float_chunked(self.talker.text_embedding.weight)
-            self.float()
-        elif dtype == "int4":
-            # Products: 4-bit groups in kazeia/native/int4.c (int4_linears requires the library).
-            int4_linears(self, lib, after_each=release_freed_memory)
+        if dtype in QUANTIZED:
+            # Products: fbgemm's int8 GEMM on two activation rows (kazeia/quant.py), or 4-bit groups
+            # in kazeia/native/int4.c (which `load` made sure is there); an int8 text embedding.
+            quantize = quantize_linears if dtype == "int8" else int4_linears
+            quantize(self, lib, after_each=release_freed_memory)
             self.talker.text_embedding = QuantEmbedding.from_float_chunked(self.talker.text_embedding.weight)
             self.float()
         elif cpu and native_linear.usable(lib, dtype):

@@ -205,8 +205,6 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "gemv_bf16_dot": ([], _INT),
     "gemv_wide": ([_P, _INT, *[_P] * 3, _LONG, _LONG, _INT], _INT),
     "int4_gemv": ([*[_P] * 7, _LONG, _LONG, _LONG], _INT),
-    "int4_block": ([_LONG], _LONG),
-    "int4_quantize_row": ([_P, _LONG, _P, _P, _P], None),
     "int4_kernel": ([], _INT),
 }
 

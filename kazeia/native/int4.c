@@ -54,7 +54,7 @@ int int4_kernel(void) {
 }
 
 /* Columns per activation step for a row of `cols`. */
-long int4_block(long cols) { return cols % 128 == 0 ? 128 : UNIT; }
+static long int4_block(long cols) { return cols % 128 == 0 ? 128 : UNIT; }
 
 /* Where the kernel wants the activation code of column c (the codes are laid out to match the
    weight bytes, see row_dots): within each unit of 64 columns, the first half-groups (columns
@@ -77,7 +77,7 @@ static inline long act_pos(long c, long block) {
 
 /* Round one activation row to int8 per block: codes p (in the kernel's order, act_pos), steps t
    (per block), exact sums (per group). */
-void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, float *sums) {
+static void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, float *sums) {
     long block = int4_block(cols);
     for (long g = 0; g < cols / GROUP; g++) {
         float s = 0.0f;
@@ -214,7 +214,7 @@ static void row_dots(const uint8_t *w, const uint8_t *gs, const int8_t *p0, cons
         float sum = 0.0f;
         for (long b = 0, g = 0; p && b < blocks; b++) {
             int32_t acc = 0;
-            for (long k = 0; k < block / GROUP; k++, g++) {
+            for (long k = 0; k < per_block * (UNIT / GROUP); k++, g++) {
                 int32_t dot = 0;
                 for (int j = 0; j < 16; j++) {
                     uint8_t byte = w[g * 16 + j];
