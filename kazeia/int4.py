@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .layers import replace_linears
+from .native import Product
 
 GROUP = 32  # weights per step and offset
 UNIT = 64  # two groups: one 32-byte block of codes (kazeia/native/int4.c)
@@ -203,6 +204,14 @@ class Int4Linear(nn.Module):
             raise RuntimeError(f"int4 product refused {rows.shape[0]} x {self.in_features} -> {self.out_features}")
         return y.view(*x.shape[:-1], self.out_features)
 
+    def product_spec(self, dtype: torch.dtype) -> tuple | None:
+        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        if dtype != torch.float32:
+            return None
+        weights = (self.qweight, self.steps, self.offsets, self.factors)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return (Product.INT4, 0, *(t.data_ptr() for t in weights), bias, self.out_features, self.in_features)
+
     def _product(self):
         """The native product with this layer's weight addresses bound (a decode step makes ~400
         of these calls a frame); bound again if the buffers have moved."""
@@ -240,6 +249,14 @@ class HeadLinear(nn.Module):
             self.lib.gemv_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), bias, y.data_ptr(), self.out_features,
                                self.in_features, rows.shape[0])  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
+
+    def product_spec(self, dtype: torch.dtype) -> tuple | None:
+        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        if dtype != torch.float32:
+            return None
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return (Product.WIDE, 1, self.weight_bits.data_ptr(), None, None, None, bias, self.out_features,
+                self.in_features)  # fmt: skip
 
 
 def is_head(name: str) -> bool:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kazeia import Engine, generate
 from kazeia.batch import Batch, row_product
+from kazeia.layers import KVCache
 from kazeia.live import TextFeed
 from kazeia.prompt import build_prompt
 from kazeia.scheduler import SchedulerBusy
@@ -412,3 +413,40 @@ def test_the_server_serves_16_clients_with_max_batch_4(engines):
         if data is not None:
             options = {key: v for key, v in bodies[k].items() if key not in ("input", "response_format")}
             assert_pcm_close(data, offline_pcm(engine, bodies[k]["input"], **options))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", INT8, "int4"])
+@pytest.mark.parametrize(("requests", "positions"), [(1, 1), (1, 2), (3, 1), (2, 2)])
+@torch.inference_mode()
+def test_the_step_in_one_native_call_equals_the_step_layer_by_layer(typed, dtype, requests, positions):
+    """stack.c's whole step (one call, where every product is native in the activations' dtype)
+    gives the bits of the layer-by-layer step, solo and batched, results and caches; int8 products
+    (fbgemm, reachable from Python only) keep the layer-by-layer step."""
+    model = typed(dtype).model
+    for stack in (model.talker, model.code_predictor):
+        step = stack.native_step
+        products = [p for layer in stack.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
+        native = all(getattr(p, "product_spec", lambda dtype: None)(step.dtype) is not None for p in products)
+        assert (step.whole is not None) == native
+        assert native or dtype == "int8" or torch.get_num_threads() > 1  # else oneDNN's products (more threads)
+        if step.whole is None:
+            continue
+        generator = torch.Generator().manual_seed(requests * 10 + positions)
+        x = torch.randn(requests * positions, step.hidden, generator=generator).to(step.dtype)
+        starts = [int(s) for s in torch.randint(0, 40, (requests,), generator=generator)]
+        caches = [stack.new_cache(64) for _ in range(requests)]
+        for cache in caches:
+            for layer in cache:
+                layer.k.normal_(generator=generator), layer.v.normal_(generator=generator)
+        copies = [[KVCache(1, c.k.shape[1], 64, c.k.shape[3], "cpu", c.k.dtype) for c in cache] for cache in caches]
+        for cache, copy in zip(caches, copies, strict=True):
+            for layer, twin in zip(cache, copy, strict=True):
+                twin.k.copy_(layer.k), twin.v.copy_(layer.v)
+        rope = [stack.rotary.span(s, positions, step.dtype, "cpu") for s in starts]
+        whole = step._run_whole(x, positions, list(zip(rope, caches, starts, strict=True)))
+        layers, factor = (step.layers, step.rows) if requests == 1 else (step.batch_layers, 1)
+        apart = step._run(x, positions, list(zip(rope, copies, starts, strict=True)), layers, factor)
+        assert torch.equal(whole, apart)
+        for cache, copy in zip(caches, copies, strict=True):
+            assert all(torch.equal(a.k, b.k) and torch.equal(a.v, b.v) for a, b in zip(cache, copy, strict=True))

@@ -31,7 +31,7 @@ import torch
 
 from .. import cpu
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c", "int4.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c", "int4.c", "stack.c"))
 HEADERS = (Path(__file__).with_name("dtypes.h"),)  # included by the sources: part of the build key
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
 # target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
@@ -206,6 +206,7 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "gemv_wide": ([_P, _INT, *[_P] * 3, _LONG, _LONG, _INT], _INT),
     "int4_gemv": ([*[_P] * 7, _LONG, _LONG, _LONG], _INT),
     "int4_kernel": ([], _INT),
+    "stack_step": ([_P, _INT, *[_P] * 9, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT], _INT),
 }
 
 
@@ -249,6 +250,38 @@ def _check_exports(lib: ctypes.CDLL, path: Path) -> None:
         fn.argtypes, fn.restype = args, result
 
 
+class Product(ctypes.Structure):
+    """stack.c's description of one native product (`product_spec()` of NativeLinear, HeadLinear
+    and Int4Linear): its kind, weight dtype, the addresses of its weights and bias, its shape."""
+
+    GEMV, WIDE, INT4 = 0, 1, 2
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("dt", ctypes.c_int),
+        ("w", ctypes.c_void_p),
+        ("a", ctypes.c_void_p),
+        ("b", ctypes.c_void_p),
+        ("c", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("rows", ctypes.c_long),
+        ("cols", ctypes.c_long),
+    ]
+
+
+class Layer(ctypes.Structure):
+    """stack.c's layer: its four products and the addresses of its norms' weights."""
+
+    _fields_ = [
+        ("qkv", Product),
+        ("o", Product),
+        ("gate_up", Product),
+        ("down", Product),
+        ("qk_w", ctypes.c_void_p),
+        ("post_w", ctypes.c_void_p),
+        ("next_w", ctypes.c_void_p),
+    ]
+
+
 # Positions a native step takes at once: one, or the code predictor's two-position first step of
 # each frame (otherwise ~125 PyTorch operations per frame). Prompts keep the eager layers, whose
 # attention runs on every core.
@@ -289,6 +322,23 @@ class StackStep:
         made = [[batch_product(p) for p in four] for four in products] if batch_product else [[None]]
         complete = all(f is not None for four in made for f in four)
         self.batch_layers = self._layers(layers, made, norms, lambda f: f) if complete else None
+        # The whole step in one call (stack.c) where every product is native in these activations:
+        # the same kernels as `layers` and `batch_layers`, in the same order.
+        self.whole = self._whole(layers, products, norms)
+
+    def _whole(self, layers, products, norms):
+        """stack.c's layers (a ctypes array), or None where some product is not native here."""
+        specs = [[getattr(p, "product_spec", lambda dtype: None)(self.dtype) for p in four] for four in products]
+        if not all(spec is not None for four in specs for spec in four):
+            return None
+        made = (Layer * len(layers))()
+        for i, (layer, four) in enumerate(zip(layers, specs, strict=True)):
+            made[i].qkv, made[i].o, made[i].gate_up, made[i].down = (Product(*spec) for spec in four)
+            made[i].qk_w = self._address(layer.self_attn.qk_norm_weight)
+            made[i].post_w = self._address(layer.post_attention_layernorm.weight)
+            made[i].next_w = self._address(norms[i + 1])
+        self.keep.extend(p for four in products for p in four)  # the modules whose weights it addresses
+        return made
 
     def _layers(self, layers, products, norms, wrap: Callable) -> list[tuple]:
         """Per layer: its four products (`wrap`ped: called with the input buffer and the number of
@@ -320,6 +370,8 @@ class StackStep:
         """x (1, T, H) at positions [start, start + T) -> final-normed hidden (1, T, H); fills each
         layer's cache. T is 1, or 2 for the code predictor's first step of a frame (MAX_POSITIONS)."""
         T = x.shape[1]
+        if self.whole is not None:
+            return self._run_whole(x.reshape(T, self.hidden), T, [(rope, cache, start)]).view(1, T, -1)
         return self._run(x.reshape(T, self.hidden), T, [(rope, cache, start)], self.layers, self.rows).view(1, T, -1)
 
     def batch(self, x: torch.Tensor, requests: list) -> torch.Tensor:
@@ -328,7 +380,42 @@ class StackStep:
         final-normed hidden (B, T, H). The products take all B * T rows at once (`batch_layers`,
         each row's result that of the request alone); attention runs over each request's cache."""
         B, T, H = x.shape
+        if self.whole is not None:
+            return self._run_whole(x.reshape(B * T, H), T, requests).view(B, T, H)
         return self._run(x.reshape(B * T, H), T, requests, self.batch_layers, 1).view(B, T, H)
+
+    def _check_room(self, T: int, requests: list) -> int:
+        """The largest cache capacity of `requests`; an error if T positions overflow any of them."""
+        for _, cache, start in requests:
+            if start + T > cache[0].k.shape[2]:
+                raise RuntimeError(f"KV cache overflow: position {start + T} > capacity {cache[0].k.shape[2]}")
+        return max(cache[0].k.shape[2] for _, cache, _ in requests)
+
+    def _run_whole(self, x: torch.Tensor, T: int, requests: list) -> torch.Tensor:
+        """`_run` in one call of stack.c: x (B * T, H), B = len(requests) -> final-normed (B * T, H)."""
+        dtype, H, nq, nkv, hd, inner = self.dtype, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inner
+        capacity = self._check_room(T, requests)
+        B, L, n = len(requests), len(self.whole), x.shape[0]
+        h = x.clone()  # the residual stream, updated in place
+        # normed (the result), attended, activated, then the products' outputs: qkv, o or down, gate/up
+        widths = (H, nq * hd, inner, (nq + 2 * nkv) * hd, H, 2 * inner)
+        buffers = [torch.empty(n, width, dtype=dtype) for width in widths]
+        scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
+        pointers = ctypes.c_void_p * B
+        cos = pointers(*(c.data_ptr() for (c, _), _, _ in requests))
+        sin = pointers(*(s.data_ptr() for (_, s), _, _ in requests))
+        keys = (ctypes.c_void_p * (B * L))(*(layer.k.data_ptr() for _, cache, _ in requests for layer in cache))
+        values = (ctypes.c_void_p * (B * L))(*(layer.v.data_ptr() for _, cache, _ in requests for layer in cache))
+        caps = (ctypes.c_int * B)(*(cache[0].k.shape[2] for _, cache, _ in requests))
+        starts = (ctypes.c_int * B)(*(start for _, _, start in requests))
+        status = self.lib.stack_step(self.whole, L, self.first_norm, h.data_ptr(), *(b.data_ptr() for b in buffers),
+                                     scratch.data_ptr(), B, T, cos, sin, keys, values, caps, starts, nq, nkv, hd, H,
+                                     inner, self.eps, self.qk_eps, self.dt)  # fmt: skip
+        if status == -2:
+            raise MemoryError(f"native step of {n} rows: out of memory")
+        if status != 0:
+            raise RuntimeError(f"the native step refused {n} rows (status {status})")
+        return buffers[0]
 
     def _run(self, x: torch.Tensor, T: int, requests: list, layers: list, factor: int) -> torch.Tensor:
         """x (B * T, H), B = len(requests), request-major -> final-normed (B * T, H). Product
@@ -336,10 +423,7 @@ class StackStep:
         lib, dt, dtype = self.lib, self.dt, self.dtype
         H, nq, nkv, hd = self.hidden, self.heads, self.kv_heads, self.head_dim
         B = len(requests)
-        capacity = max(cache[0].k.shape[2] for _, cache, _ in requests)
-        for _, cache, start in requests:
-            if start + T > cache[0].k.shape[2]:
-                raise RuntimeError(f"KV cache overflow: position {start + T} > capacity {cache[0].k.shape[2]}")
+        capacity = self._check_room(T, requests)
         h = x.clone()  # the residual stream, updated in place
         rows = factor * B * T  # product inputs: B * T rows (then as many residual rows for solo int8)
         normed = torch.empty(rows, H, dtype=dtype)

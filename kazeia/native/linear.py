@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu
+from . import Product
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ROWS = 2  # rows per call the GEMV takes (a decode step: one position, or the predictor's first two)
@@ -50,6 +51,14 @@ class NativeLinear(nn.Module):
         self.lib.gemv(self.weight.data_ptr(), rows.data_ptr(), bias, y.data_ptr(), self.out_features,
                       self.in_features, m, self.dt)  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
+
+    def product_spec(self, dtype: torch.dtype) -> tuple | None:
+        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        if self.weight.dtype != dtype:
+            return None
+        bias = None if self.bias is None else self.bias.data_ptr()
+        return (Product.GEMV, self.dt, self.weight.data_ptr(), None, None, None, bias, self.out_features,
+                self.in_features)  # fmt: skip
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.prompt_in_float32:
