@@ -2,7 +2,8 @@
 seconds per wall second, per-stream RTF, TTFB p50/p95 and continuity, by concurrency.
 
     python benchmarks/batch.py [--size 0.6B] [--dtypes int8,bfloat16] [--concurrency 1,2,4]
-                               [--requests 8] [--frames 15-40] [--gap 0.3] [--json out.json]
+                               [--requests 8] [--frames 15-40] [--gap 0.3] [--max-chunk-frames N]
+                               [--json out.json]
 
 At concurrency c, c clients each send requests one after the other, the first after a random
 delay and each next one a random (exponential, mean `--gap` s) pause after the previous ended;
@@ -34,10 +35,10 @@ BUFFER_S = 0.160  # the player's buffer before it starts
 RATE = 24000
 
 
-def one_stream(engine: Engine, scheduler, frames: int, seed: int) -> dict:
+def one_stream(engine: Engine, scheduler, frames: int, seed: int, catch_up: int | None = None) -> dict:
     """One request, its chunks taken at once; its timings."""
     called = time.perf_counter()
-    options = dict(voice="serena", seed=seed, max_new_tokens=frames + 1, ignore_eos=True)
+    options = dict(voice="serena", seed=seed, max_new_tokens=frames + 1, ignore_eos=True, max_chunk_frames=catch_up)
     stream = scheduler.stream(TEXT, **options) if scheduler is not None else engine.stream(TEXT, **options)
     arrivals, samples = [], 0
     for chunk in stream:
@@ -51,7 +52,9 @@ def one_stream(engine: Engine, scheduler, frames: int, seed: int) -> dict:
     return {"ttfb_s": first, "audio_s": samples / RATE, "wall_s": ended, "continuous": continuous}
 
 
-def run_level(engine: Engine, concurrency: int | str, requests: int, frames: tuple[int, int], gap: float) -> dict:
+def run_level(
+    engine: Engine, concurrency: int | str, requests: int, frames: tuple[int, int], gap: float, catch_up: int | None
+) -> dict:
     rng = random.Random(17)
     clients = 1 if concurrency == "solo" else int(concurrency)
     plan = [[rng.randint(*frames) for _ in range(requests // clients or 1)] for _ in range(clients)]
@@ -63,7 +66,7 @@ def run_level(engine: Engine, concurrency: int | str, requests: int, frames: tup
         local = random.Random(index)
         time.sleep(local.uniform(0, gap))
         for k, n in enumerate(plan[index]):
-            got = one_stream(engine, scheduler, n, seed=100 * index + k)
+            got = one_stream(engine, scheduler, n, seed=100 * index + k, catch_up=catch_up)
             with lock:
                 results.append(got)
             time.sleep(local.expovariate(1 / gap))
@@ -103,6 +106,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per level (split among the clients)")
     parser.add_argument("--frames", default="15-40", help="frames per request, a range MIN-MAX")
     parser.add_argument("--gap", type=float, default=0.3, help="mean pause between a client's requests (s)")
+    parser.add_argument(
+        "--max-chunk-frames", type=int, help="let late streams catch up in chunks of up to this many frames"
+    )
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     low, _, high = args.frames.partition("-")
@@ -115,7 +121,7 @@ def main() -> None:
             print(json.dumps(report["machine"]))
         one_stream(engine, None, 3, seed=0)  # warm-up: the native library, the first allocations
         for level in args.concurrency.split(","):
-            row = {"dtype": dtype, **run_level(engine, level, args.requests, frames, args.gap)}
+            row = {"dtype": dtype, **run_level(engine, level, args.requests, frames, args.gap, args.max_chunk_frames)}
             report["runs"].append(row)
             print(json.dumps(row), flush=True)
     if args.json:

@@ -241,6 +241,14 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
         f"{limits['max_input_tokens']} and --max-input-chars)",
     )
     _chunk_args(p, server["first_chunk_frames"], server["chunk_frames"])
+    p.add_argument(
+        "--max-chunk-frames",
+        type=int,
+        default=server["max_chunk_frames"],
+        help="frames a later chunk may take when its stream has fallen behind, so that its vocoder catches "
+        "up (e.g. 16 with --max-batch > 1 on few cores; the audio's last bits then depend on timing; "
+        "default: exactly --chunk-frames)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -369,6 +377,7 @@ def _server_config(args, name: str | None, **only) -> ServerConfig:
         args.queue_size,
         args.first_chunk_frames,
         args.chunk_frames,
+        args.max_chunk_frames,
         limits,
         voices_dir=args.voices_dir,
         text_timeout=args.text_timeout,

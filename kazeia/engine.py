@@ -280,6 +280,7 @@ class Engine:
         non_streaming_mode: bool | None = None,
         first_chunk_frames: int = 1,
         chunk_frames: int = 4,
+        max_chunk_frames: int | None = None,
         text_timeout: float | None = 30.0,
         should_stop: Callable[[], bool] | None = None,
         text_deadline: float | None = None,
@@ -291,7 +292,9 @@ class Engine:
         """Like `synthesize`, but yields `AudioChunk`s while generating (a long text's segments in
         one stream: each chunk lists the segments that ended by its end; `stream.segments` all).
 
-        The first chunk holds `first_chunk_frames` frames (80 ms each), later ones `chunk_frames`.
+        The first chunk holds `first_chunk_frames` frames (80 ms each), later ones `chunk_frames`;
+        with `max_chunk_frames`, a later chunk also takes the frames already waiting, up to that
+        many, when its consumer has fallen behind (streaming.ChunkSchedule: the vocoder catches up).
         The schedule changes only latency and overhead: the codes equal `synthesize`'s for the same
         seed and the concatenated audio equals its audio (within float rounding, ~1e-6). Use it as an
         iterator, ideally in a `with` block; closing it stops generation before the next frame.
@@ -310,7 +313,7 @@ class Engine:
         codes and audio (kazeia/batch.py says which precisions differ from a stream without one).
         """
         started = time.perf_counter()
-        schedule = ChunkSchedule(first_chunk_frames, chunk_frames)
+        schedule = ChunkSchedule(first_chunk_frames, chunk_frames, max_chunk_frames)
         request = self.request(
             text,
             voice,

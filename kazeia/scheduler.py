@@ -140,7 +140,9 @@ class Scheduler:
     # -- streams ------------------------------------------------------------------------------
     def stream(self, text, **options) -> SpeechStream:
         """`Engine.stream(text, **options)` with its steps run by this scheduler. Raises
-        SchedulerBusy when `max_queue` streams are already waiting for admission."""
+        SchedulerBusy when `max_queue` streams are already waiting for admission. Streams that
+        share the CPU often fall behind their generation: `max_chunk_frames` (e.g. 16) lets them
+        catch up (streaming.ChunkSchedule)."""
         return self.engine.stream(text, scheduler=self, **options)
 
     def source(

@@ -90,18 +90,37 @@ class Metrics:
 
 @dataclass(frozen=True)
 class ChunkSchedule:
-    """Frames per chunk: `first` for the first chunk (latency), then `rest` (overhead)."""
+    """Frames per chunk: `first` for the first chunk (latency), then `rest` (overhead).
+
+    `most` lets a later chunk catch up: when its consumer has fallen behind and more frames than
+    `rest` are already waiting, the chunk takes them too, up to `most` (None, the default: exactly
+    `rest`). The vocoder decodes a longer chunk faster per frame (BENCHMARKS.md: 4 frames 39.5 ms a
+    frame, 16 frames 31.4), so a consumer that the vocoder holds back (many streams on few cores)
+    catches up, while one that keeps up still gets `rest`. The codes never change, and the audio
+    stays that of one decode within float rounding (~1e-6), as for any schedule; but where the
+    chunks split now depends on timing, so the audio's last bits may differ from run to run (with
+    a fixed schedule they never do)."""
 
     first: int = 1
     rest: int = 4
+    most: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("first_chunk_frames", self.first), ("chunk_frames", self.rest)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        most = self.most
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.rest):
+            raise ValueError(f"max_chunk_frames must be an integer >= chunk_frames ({self.rest}) or None, got {most!r}")
 
     def size(self, index: int) -> int:
         return self.first if index == 0 else self.rest
+
+    def limit(self, index: int) -> int:
+        """The most frames chunk `index` may take when they are already waiting."""
+        if index == 0:
+            return self.first
+        return self.rest if self.most is None else self.most
 
 
 class _Progress:
@@ -213,9 +232,15 @@ class SpeechStream:
                     continue
                 self._pending.append(item)
                 if len(self._pending) >= self._schedule.size(self._chunks):
+                    limit = self._schedule.limit(self._chunks)
                     self._lookahead = self._take(block=False)
-                    while isinstance(self._lookahead, Segment):  # a segment that ends with this chunk
-                        self._ended.append(self._lookahead)
+                    while isinstance(self._lookahead, Segment) or (  # a segment that ends with this chunk,
+                        isinstance(self._lookahead, torch.Tensor) and len(self._pending) < limit  # or catching up
+                    ):
+                        if isinstance(self._lookahead, Segment):
+                            self._ended.append(self._lookahead)
+                        else:
+                            self._pending.append(self._lookahead)
                         self._lookahead = self._take(block=False)
                     return self._emit(is_last=self._lookahead is _DONE)
         except BaseException:

@@ -53,6 +53,36 @@ def test_default_schedule_starts_with_one_frame(engines):
     assert chunks[0].frames == 1 and {c.frames for c in chunks[1:-1]} <= {4}
 
 
+def test_a_consumer_that_falls_behind_catches_up_in_longer_chunks(engines):
+    """With max_chunk_frames, a later chunk takes the frames already waiting (up to that many):
+    a consumer slower than generation gets fewer, longer chunks, and the same codes and audio."""
+    engine = engines["0.6B-custom"]
+    options = dict(voice="serena", seed=4, max_new_tokens=60, ignore_eos=True)
+    offline = engine.synthesize(TEXT, **options)
+    stream = engine.stream(TEXT, first_chunk_frames=1, chunk_frames=2, max_chunk_frames=7, **options)
+    first = next(stream)
+    deadline = time.monotonic() + 30
+    while stream.frames_generated < len(offline.codes) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the consumer is away: every frame is made and waits in the queue
+    chunks = [first, *stream]
+    assert first.frames == 1  # the first chunk never grows: it is the latency
+    assert len(offline.codes) == 59  # the last token never becomes a frame
+    assert [c.frames for c in chunks[1:]] == [7] * 8 + [2]  # 58 waiting frames, 7 at a time
+    np.testing.assert_array_equal(stream.codes, offline.codes)
+    audio = np.concatenate([c.audio for c in chunks])
+    assert np.max(np.abs(audio - offline.audio)) <= 1e-5
+
+
+def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines):
+    engine = engines["0.6B-custom"]
+    options = dict(voice="serena", seed=4, max_new_tokens=30, ignore_eos=True)
+    offline = engine.synthesize(TEXT, **options)
+    chunks = _check_stream(engine.stream(TEXT, chunk_frames=3, max_chunk_frames=3, **options), offline)
+    assert {c.frames for c in chunks[1:-1]} == {3}
+    with pytest.raises(ValueError, match="max_chunk_frames"):
+        engine.stream(TEXT, chunk_frames=4, max_chunk_frames=3, **options)
+
+
 def test_greedy_stream_is_deterministic_across_schedules(engines):
     engine = engines["1.7B-custom"]
     options = dict(voice="dylan", do_sample=False, subtalker_dosample=False, max_new_tokens=25)

@@ -83,6 +83,10 @@ class ServerConfig:
     queue_size: int = 16  # utterances waiting for the worker; one more is refused with 503
     first_chunk_frames: int = ChunkSchedule.first  # frames in the first streamed chunk (80 ms each): latency
     chunk_frames: int = ChunkSchedule.rest  # frames in each later chunk: overhead per chunk
+    # A later chunk of a stream that fell behind takes the frames already waiting, up to this many
+    # (raised to chunk_frames; None: exactly chunk_frames): its vocoder catches up (ChunkSchedule).
+    # Worth it with max_batch > 1 on few cores; the audio's last bits then depend on timing.
+    max_chunk_frames: int | None = None
     limits: Limits = field(default_factory=Limits)
     # Base checkpoints: where uploaded voices are kept (`NAME.voice`); created at start if missing.
     voices_dir: str | os.PathLike = DEFAULT_VOICES_DIR
@@ -104,6 +108,12 @@ class ServerConfig:
     # Utterances generated at once, their frame steps batched (kazeia/scheduler.py); 1: one at a time.
     max_batch: int = 1
 
+    @property
+    def schedule(self) -> ChunkSchedule:
+        """The chunk schedule of every stream (`max_chunk_frames` raised to `chunk_frames` if below)."""
+        most = None if self.max_chunk_frames is None else max(self.max_chunk_frames, self.chunk_frames)
+        return ChunkSchedule(self.first_chunk_frames, self.chunk_frames, most)
+
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name.strip():
             raise ValueError("model_name must be a non-empty string")
@@ -111,6 +121,9 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        most = self.max_chunk_frames
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 1):
+            raise ValueError(f"max_chunk_frames must be an integer >= 1 or None, got {most!r}")
         if self.max_batch > MAX_BATCH:
             raise ValueError(f"max_batch must be at most {MAX_BATCH}, got {self.max_batch}")
         for name in ("text_timeout", "text_deadline", "ws_idle_s"):

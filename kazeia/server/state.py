@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from starlette.requests import HTTPConnection
 
 from ..engine import Engine
-from ..streaming import ChunkSchedule
 from .config import ServerConfig
 from .formats import AudioFormat, available_formats
 from .metrics import ServerMetrics
@@ -43,6 +42,5 @@ def build_state(engine: Engine, config: ServerConfig) -> ServerState:
 
     voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
     metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
-    schedule = ChunkSchedule(config.first_chunk_frames, config.chunk_frames)
-    worker = Worker(engine, config.queue_size, schedule, metrics, config.max_batch)
+    worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch)
     return ServerState(engine, config, worker, metrics, available_formats(), voices)
