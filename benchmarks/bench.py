@@ -117,7 +117,9 @@ def continuity(stream, buffer_s: float = 0.16) -> float:
     return worst
 
 
-def run_kazeia(path: Path, dtype: str, frames: int, repeats: int, threads: int | None, long_frames: int) -> dict:
+def run_kazeia(
+    path: Path, dtype: str, frames: int, repeats: int, threads: int | None, long_frames: int, catch_up: int | None
+) -> dict:
     from kazeia import Engine
 
     start = time.perf_counter()
@@ -148,11 +150,13 @@ def run_kazeia(path: Path, dtype: str, frames: int, repeats: int, threads: int |
         (engine.synthesize(TEXT, max_new_tokens=frames + 1, **options) for _ in range(repeats)),
         key=lambda speech: speech.metrics.wall_s,
     )
-    stream = engine.stream(TEXT, max_new_tokens=frames + 1, **options)
+    stream = engine.stream(TEXT, max_new_tokens=frames + 1, max_chunk_frames=catch_up, **options)
     for _ in stream:
         pass
     assert offline.metrics.frames == stream.metrics.frames == frames
-    long = engine.stream(TEXT, max_new_tokens=long_frames + 1, **options) if long_frames else None
+    long = None
+    if long_frames:
+        long = engine.stream(TEXT, max_new_tokens=long_frames + 1, max_chunk_frames=catch_up, **options)
     dry_s = continuity(long) if long is not None else None
     reads = weight_reads(engine)
     return {
@@ -321,7 +325,14 @@ def competing(count: int):
 
 
 def spawn(
-    kind: str, path: Path, dtype: str, frames: int, threads: int | None, repeats: int, long_frames: int = 0
+    kind: str,
+    path: Path,
+    dtype: str,
+    frames: int,
+    threads: int | None,
+    repeats: int,
+    long_frames: int = 0,
+    catch_up: int | None = None,
 ) -> dict:
     cmd = [
         sys.executable,
@@ -341,6 +352,8 @@ def spawn(
     ]
     if threads:
         cmd += ["--threads", str(threads)]
+    if catch_up:
+        cmd += ["--max-chunk-frames", str(catch_up)]
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -432,6 +445,9 @@ def main() -> None:
     parser.add_argument(
         "--prepared", action="store_true", help="load each precision from a checkpoint prepared by kazeia quantize"
     )
+    parser.add_argument(
+        "--max-chunk-frames", type=int, help="streams whose vocoder falls behind catch up in chunks of up to this many"
+    )
     parser.add_argument("--long-frames", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=["kazeia", "reference"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
@@ -442,7 +458,9 @@ def main() -> None:
     if args.worker:
         checkpoint = Path(args.checkpoint)
         if args.worker == "kazeia":
-            figures = run_kazeia(checkpoint, args.dtype, args.frames, args.repeats, args.threads, args.long_frames)
+            figures = run_kazeia(
+                checkpoint, args.dtype, args.frames, args.repeats, args.threads, args.long_frames, args.max_chunk_frames
+            )
         else:
             figures = run_reference(checkpoint, args.dtype, args.frames, args.repeats)
         print(json.dumps(figures))
@@ -458,8 +476,9 @@ def main() -> None:
     with competing(args.contend):
         for dtype in dtypes:
             results[f"kazeia {dtype}"] = spawn(
-                "kazeia", sources[dtype], dtype, args.frames, args.threads, args.repeats, long_frames
-            )
+                "kazeia", sources[dtype], dtype, args.frames, args.threads, args.repeats, long_frames,
+                args.max_chunk_frames,
+            )  # fmt: skip
         if args.reference:
             results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads, args.repeats)
     bandwidth = {d: r["gemv_gbps"] for d, r in zip(dtypes, results.values(), strict=True) if "gemv_gbps" in r}
