@@ -90,7 +90,12 @@ class Metrics:
 
 @dataclass(frozen=True)
 class ChunkSchedule:
-    """Frames per chunk: `first` for the first chunk (latency), then `rest` (overhead).
+    """Frames per chunk: `first` for the first chunk (latency), then `rest` (overhead), reached
+    one frame a chunk: with first 1 and rest 4 the chunks hold 1, 2, 3, 4, 4, ... frames. The
+    ramp is for a player that starts with a short buffer: a second chunk of `rest` frames would
+    have to be generated and decoded while the first chunk's 80 ms (plus the buffer) play, and a
+    stream generated a little faster than real time runs dry there; one frame more a chunk keeps
+    each chunk's work within the audio already delivered (BENCHMARKS.md, "long dry s").
 
     `most` lets a later chunk catch up: when its consumer has fallen behind and more frames than
     `rest` are already waiting, the chunk takes them too, up to `most` (None, the default: exactly
@@ -114,13 +119,14 @@ class ChunkSchedule:
             raise ValueError(f"max_chunk_frames must be an integer >= chunk_frames ({self.rest}) or None, got {most!r}")
 
     def size(self, index: int) -> int:
-        return self.first if index == 0 else self.rest
+        """Frames in chunk `index` (0 the first)."""
+        return self.first if index == 0 else min(self.rest, self.first + index)
 
     def limit(self, index: int) -> int:
         """The most frames chunk `index` may take when they are already waiting."""
-        if index == 0:
-            return self.first
-        return self.rest if self.most is None else self.most
+        if index == 0 or self.most is None:
+            return self.size(index)
+        return self.most
 
 
 class _Progress:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kazeia.streaming import QUEUE_FRAMES
+from kazeia.streaming import QUEUE_FRAMES, ChunkSchedule
 
 TEXT = "Streaming should sound exactly like offline synthesis."
 
@@ -50,7 +50,9 @@ def test_default_schedule_starts_with_one_frame(engines):
     options = dict(instruct="A calm voice.", seed=11, max_new_tokens=30)
     offline = engine.synthesize(TEXT, **options)
     chunks = _check_stream(engine.stream(TEXT, **options), offline)
-    assert chunks[0].frames == 1 and {c.frames for c in chunks[1:-1]} <= {4}
+    assert len(offline.codes) > 20
+    assert [c.frames for c in chunks[:4]] == [1, 2, 3, 4]  # one frame more a chunk up to chunk_frames
+    assert {c.frames for c in chunks[3:-1]} == {4}
 
 
 def test_a_consumer_that_falls_behind_catches_up_in_longer_chunks(engines):
@@ -68,6 +70,7 @@ def test_a_consumer_that_falls_behind_catches_up_in_longer_chunks(engines):
     assert first.frames == 1  # the first chunk never grows: it is the latency
     assert len(offline.codes) == 59  # the last token never becomes a frame
     assert [c.frames for c in chunks[1:]] == [7] * 8 + [2]  # 58 waiting frames, 7 at a time
+    assert ChunkSchedule(1, 2, 7).limit(1) == 7 and ChunkSchedule(1, 4).limit(1) == 2  # else the ramp
     np.testing.assert_array_equal(stream.codes, offline.codes)
     audio = np.concatenate([c.audio for c in chunks])
     assert np.max(np.abs(audio - offline.audio)) <= 1e-5
@@ -78,7 +81,7 @@ def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines):
     options = dict(voice="serena", seed=4, max_new_tokens=30, ignore_eos=True)
     offline = engine.synthesize(TEXT, **options)
     chunks = _check_stream(engine.stream(TEXT, chunk_frames=3, max_chunk_frames=3, **options), offline)
-    assert {c.frames for c in chunks[1:-1]} == {3}
+    assert [c.frames for c in chunks[:3]] == [1, 2, 3] and {c.frames for c in chunks[2:-1]} == {3}
     with pytest.raises(ValueError, match="max_chunk_frames"):
         engine.stream(TEXT, chunk_frames=4, max_chunk_frames=3, **options)
 
