@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from kazeia.cli import main
+from kazeia.streaming import ChunkSchedule
 
 
 def test_serve_refuses_bad_limits_before_loading(tmp_path, capsys):
@@ -49,6 +50,12 @@ def test_server_config_checks_its_fields():
     assert ServerConfig("m").schedule.limit(3) == 4  # the schedule's own sizes unless asked
     assert ServerConfig("m", chunk_frames=6, max_chunk_frames=3).schedule.limit(1) == 6  # raised to chunk_frames
     assert ServerConfig("m", max_chunk_frames=16).schedule.limit(0) == 1  # the first chunk never grows
+    from kazeia.cli import _server_config, build_parser
+
+    for command in ("serve", "wyoming"):
+        args = build_parser().parse_args([command, "--model", "m", "--max-chunk-frames", "12"])
+        assert _server_config(args, None).schedule == ChunkSchedule(1, 4, 12)
+    assert _server_config(build_parser().parse_args(["serve", "--model", "m"]), None).max_chunk_frames is None
     with pytest.raises(ValueError, match="max_input_chars"):
         Limits(max_input_chars=0)
     with pytest.raises(ValueError, match="max_temperature"):
