@@ -428,8 +428,8 @@ def test_the_step_in_one_native_call_equals_the_step_layer_by_layer(typed, dtype
         products = [p for layer in stack.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
         native = all(getattr(p, "product_spec", lambda dtype: None)(step.dtype) is not None for p in products)
-        assert (step.whole is not None) == native
-        assert native or dtype == "int8" or torch.get_num_threads() > 1  # else oneDNN's products (more threads)
+        assert (step.whole is not None) == native  # int8's fbgemm products, or float ones without the GEMV
+        assert native or dtype != "int4"  # int4 products are native.int4.c's wherever int4 loads
         if step.whole is None:
             continue
         generator = torch.Generator().manual_seed(requests * 10 + positions)
