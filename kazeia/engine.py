@@ -347,16 +347,20 @@ class Engine:
             if scheduler is None
             else scheduler.source(request, should_stop)
         )
-        return SpeechStream(
-            frames,
-            self.vocoder,
-            schedule or ChunkSchedule(),
-            request.seed,
-            time.perf_counter() if started is None else started,
-            state,
-            request.live,
-            request.speed,
-        )
+        try:
+            return SpeechStream(
+                frames,
+                self.vocoder,
+                schedule or ChunkSchedule(),
+                request.seed,
+                time.perf_counter() if started is None else started,
+                state,
+                request.live,
+                request.speed,
+            )
+        except BaseException:  # e.g. no thread could be started: the scheduler's place is given back
+            getattr(frames, "release", lambda: None)()
+            raise
 
     def request(
         self,

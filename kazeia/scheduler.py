@@ -150,13 +150,16 @@ class Scheduler:
     ) -> Callable[[Callable[[], bool]], Iterator[torch.Tensor | Segment]]:
         """For SpeechStream: `make_frames(stop)` giving `Engine.timeline(request)` through this
         scheduler. The stream is queued now (SchedulerBusy when the queue is full); its frames
-        wait for admission when they are first asked for. `should_stop`: as `Engine.stream`'s."""
+        wait for admission when they are first asked for. `should_stop`: as `Engine.stream`'s.
+        The returned callable's `release()` gives the place back when its stream could not be
+        made (its frames are then never asked for; a queued ticket would hold the queue's head)."""
         ticket = self._enqueue()
 
         def make_frames(stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
             ticket.should_stop = stop if should_stop is None else (lambda: stop() or should_stop())
             return self._admitted(ticket, request)
 
+        make_frames.release = lambda: self._release(ticket)  # type: ignore[attr-defined]
         return make_frames
 
     def _admitted(self, ticket: _Ticket, request: Request) -> Iterator[torch.Tensor | Segment]:

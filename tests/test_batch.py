@@ -231,6 +231,28 @@ def test_long_text_and_speed_go_through_the_scheduler(typed):
     assert np.array_equal(codes, solo[1]) and np.array_equal(audio, solo[0])
 
 
+def test_a_stream_that_cannot_start_gives_its_place_back(typed, monkeypatch):
+    """When no thread can be started for a stream, its queued place is released: it would otherwise
+    hold the head of the queue, and no stream after it would ever be admitted."""
+    engine = typed("float32")
+    with engine.scheduler(max_batch=1, max_queue=1) as scheduler:
+        start = threading.Thread.start
+
+        def refuse(thread: threading.Thread) -> None:
+            if thread.name == "kazeia-generate":
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        for _ in range(3):  # more than max_batch + max_queue: each place came back
+            with pytest.raises(RuntimeError, match="new thread"):
+                scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=6)
+        monkeypatch.setattr(threading.Thread, "start", start)
+        assert scheduler.stats.waiting == 0 and scheduler.stats.active == 0
+        chunks = list(scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=6))
+    assert sum(c.frames for c in chunks) == 5
+
+
 def test_admission_is_first_come_and_the_queue_is_bounded(typed):
     """max_batch 1: streams are admitted in the order they were made; past max_queue waiting
     streams the next is refused; bad sizes are errors."""
