@@ -292,9 +292,10 @@ class Engine:
         """Like `synthesize`, but yields `AudioChunk`s while generating (a long text's segments in
         one stream: each chunk lists the segments that ended by its end; `stream.segments` all).
 
-        The first chunk holds `first_chunk_frames` frames (80 ms each), later ones `chunk_frames`;
-        with `max_chunk_frames`, a later chunk also takes the frames already waiting, up to that
-        many, when its consumer has fallen behind (streaming.ChunkSchedule: the vocoder catches up).
+        The first chunk holds `first_chunk_frames` frames (80 ms each), later ones one frame more
+        each up to `chunk_frames`; with `max_chunk_frames`, a later chunk also takes the frames
+        already waiting, up to that many, when its consumer has fallen behind (the vocoder catches
+        up; streaming.ChunkSchedule says what each costs).
         The schedule changes only latency and overhead: the codes equal `synthesize`'s for the same
         seed and the concatenated audio equals its audio (within float rounding, ~1e-6). Use it as an
         iterator, ideally in a `with` block; closing it stops generation before the next frame.
