@@ -72,7 +72,7 @@ def say(engine, args, sampling: dict) -> int:
         )
         return INTERRUPTED
     print(
-        f"{where}: {m.audio_s:.2f} s of audio ({m.frames} frames, {len(stream.segments)} segments) in "
+        f"{where}: {m.audio_s:.2f} s of audio ({m.frames} frames, {_count(len(stream.segments), 'segment')}) in "
         f"{m.wall_s:.2f} s, TTFB {m.ttfb_s * 1000:.0f} ms, RTF {m.rtf:.2f}, seed {m.seed}",
         file=sys.stderr,
     )
@@ -202,3 +202,8 @@ def _stdin_deltas():
         offset += len(data)
     if text := _utf8(b"", offset, True, decoder):
         yield text
+
+
+def _count(n: int, noun: str) -> str:
+    """'1 segment', '3 segments'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

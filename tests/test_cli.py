@@ -35,7 +35,7 @@ def test_say_writes_a_wav_and_reports_rtf(tiny_checkpoints, tmp_path, capsys):
     audio, sr = sf.read(out, dtype="float32")
     assert sr == 24000 and len(audio) % 1920 == 0 and 1920 <= len(audio) <= 7 * 1920
     err = capsys.readouterr().err
-    assert "RTF" in err and "seed 3" in err
+    assert "RTF" in err and "seed 3" in err and " frames, 1 segment) in " in err
     # The file holds the engine's audio (16-bit PCM).
     expected = (
         Engine.load(tiny_checkpoints["0.6B-custom"])
