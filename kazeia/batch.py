@@ -29,6 +29,7 @@ from torch import nn
 from .generate import Decoding, decode_frame
 from .int4 import HeadLinear, Int4Linear
 from .model import TTSModel
+from .native import address
 from .native.linear import NativeLinear
 from .prompt import frame_embedding
 from .quant import LINEAR_DYNAMIC, QuantLinear
@@ -61,7 +62,7 @@ def _gemv(linear: NativeLinear) -> Product:
     lib, w, dt, n_out, n_in = linear.lib, linear.weight, linear.dt, linear.out_features, linear.in_features
 
     def product(rows: torch.Tensor, groups: int) -> torch.Tensor:
-        bias = _address(linear.bias)
+        bias = address(linear.bias)  # taken at each call, as in the products below: they hold the module
         rows = rows.reshape(-1, n_in).to(w.dtype).contiguous()
         y = torch.empty(rows.shape[0], n_out, dtype=w.dtype)
         _check(lib.gemv(w.data_ptr(), rows.data_ptr(), bias, y.data_ptr(), n_out, n_in, rows.shape[0], dt), rows)
@@ -74,7 +75,7 @@ def _gemv_wide(head: HeadLinear) -> Product:
     lib, bits, n_out, n_in = head.lib, head.weight_bits, head.out_features, head.in_features
 
     def product(rows: torch.Tensor, groups: int) -> torch.Tensor:
-        bias = _address(head.bias)
+        bias = address(head.bias)
         rows = rows.reshape(-1, n_in).float().contiguous()
         y = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
         _check(lib.gemv_wide(bits.data_ptr(), 1, rows.data_ptr(), bias, y.data_ptr(), n_out, n_in, rows.shape[0]), rows)
@@ -90,7 +91,7 @@ def _grouped_int8(linear: QuantLinear) -> Product:
     n_in, n_out = linear.in_features, linear.out_features
 
     def product(rows: torch.Tensor, groups: int) -> torch.Tensor:
-        bias = _address(linear.bias)
+        bias = address(linear.bias)
         rows = rows.reshape(-1, n_in)
         n = rows.shape[0]
         if n % groups:
@@ -104,11 +105,6 @@ def _grouped_int8(linear: QuantLinear) -> Product:
         return y[:n]
 
     return product
-
-
-def _address(bias: torch.Tensor | None) -> int | None:
-    """A bias's address, taken at each call: the product holds its module (and so the tensor)."""
-    return None if bias is None else bias.data_ptr()
 
 
 def _check(status: int, rows: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .layers import replace_linears
-from .native import Product
+from .native import Product, address
 
 GROUP = 32  # weights per step and offset
 UNIT = 64  # two groups: one 32-byte block of codes (kazeia/native/int4.c)
@@ -208,18 +208,19 @@ class Int4Linear(nn.Module):
         """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
         if dtype != torch.float32:
             return None
-        weights = (self.qweight, self.steps, self.offsets, self.factors)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        return (Product.INT4, 0, *(t.data_ptr() for t in weights), bias, self.out_features, self.in_features)
+        return (Product.INT4, 0, *self._addresses(), address(self.bias), self.out_features, self.in_features)
+
+    def _addresses(self) -> tuple[int, ...]:
+        """The addresses of the stored tensors, in int4_gemv's order (codes, steps, offsets, factors)."""
+        return tuple(t.data_ptr() for t in self.stored.values())
 
     def _product(self):
         """The native product with this layer's weight addresses bound (a decode step makes ~400
         of these calls a frame); bound again if the buffers have moved."""
         key = self.qweight.data_ptr()
         if self._bound is None or self._bound[0] != key:
-            weights = (self.qweight, self.steps, self.offsets, self.factors)
-            self._bias = None if self.bias is None else self.bias.data_ptr()
-            self._bound = (key, functools.partial(self.lib.int4_gemv, *(t.data_ptr() for t in weights)))
+            self._bias = address(self.bias)
+            self._bound = (key, functools.partial(self.lib.int4_gemv, *self._addresses()))
         return self._bound[1]
 
 
@@ -245,18 +246,16 @@ class HeadLinear(nn.Module):
             y = torch.nn.functional.linear(rows, self.weight.float(), self.bias)
         else:
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            bias = None if self.bias is None else self.bias.data_ptr()
-            self.lib.gemv_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), bias, y.data_ptr(), self.out_features,
-                               self.in_features, rows.shape[0])  # fmt: skip
+            self.lib.gemv_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),
+                               self.out_features, self.in_features, rows.shape[0])  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
 
     def product_spec(self, dtype: torch.dtype) -> tuple | None:
         """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
         if dtype != torch.float32:
             return None
-        bias = None if self.bias is None else self.bias.data_ptr()
-        return (Product.WIDE, 1, self.weight_bits.data_ptr(), None, None, None, bias, self.out_features,
-                self.in_features)  # fmt: skip
+        return (Product.WIDE, 1, self.weight_bits.data_ptr(), None, None, None, address(self.bias),
+                self.out_features, self.in_features)  # fmt: skip
 
 
 def is_head(name: str) -> bool:

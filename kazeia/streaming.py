@@ -98,13 +98,13 @@ class ChunkSchedule:
     each chunk's work within the audio already delivered (BENCHMARKS.md, "long dry s").
 
     `most` lets a later chunk catch up: when its consumer has fallen behind and more frames than
-    `rest` are already waiting, the chunk takes them too, up to `most` (None, the default: exactly
-    `rest`). The vocoder decodes a longer chunk faster per frame (BENCHMARKS.md: 4 frames 39.5 ms a
-    frame, 16 frames 31.4), so a consumer that the vocoder holds back (many streams on few cores)
-    catches up, while one that keeps up still gets `rest`. The codes never change, and the audio
-    stays that of one decode within float rounding (~1e-6), as for any schedule; but where the
-    chunks split now depends on timing, so the audio's last bits may differ from run to run (with
-    a fixed schedule they never do)."""
+    its size are already waiting, the chunk takes them too, up to `most` (None, the default:
+    exactly its size). The vocoder decodes a longer chunk faster per frame (BENCHMARKS.md: 4 frames
+    39.5 ms a frame, 16 frames 31.4), so a consumer that the vocoder holds back (many streams on few
+    cores) catches up, while one that keeps up still gets the sizes above. The codes never change,
+    and the audio stays that of one decode within float rounding (~1e-6), as for any schedule; but
+    where the chunks split now depends on timing, so the audio's last bits may differ from run to
+    run (with a fixed schedule they never do)."""
 
     first: int = 1
     rest: int = 4

@@ -250,6 +250,11 @@ def _check_exports(lib: ctypes.CDLL, path: Path) -> None:
         fn.argtypes, fn.restype = args, result
 
 
+def address(t: torch.Tensor | None) -> int | None:
+    """A tensor's data address for a C call, None (NULL) for none: an optional bias."""
+    return None if t is None else t.data_ptr()
+
+
 class Product(ctypes.Structure):
     """stack.c's description of one native product (`product_spec()` of NativeLinear, HeadLinear
     and Int4Linear): its kind, weight dtype, the addresses of its weights and bias, its shape."""

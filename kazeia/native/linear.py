@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu
-from . import Product
+from . import Product, address
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ROWS = 2  # rows per call the GEMV takes (a decode step: one position, or the predictor's first two)
@@ -47,8 +47,7 @@ class NativeLinear(nn.Module):
             return self._matmul(x)
         rows = rows.contiguous()
         y = torch.empty(m, self.out_features, dtype=x.dtype)
-        bias = None if self.bias is None else self.bias.data_ptr()
-        self.lib.gemv(self.weight.data_ptr(), rows.data_ptr(), bias, y.data_ptr(), self.out_features,
+        self.lib.gemv(self.weight.data_ptr(), rows.data_ptr(), address(self.bias), y.data_ptr(), self.out_features,
                       self.in_features, m, self.dt)  # fmt: skip
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -56,9 +55,8 @@ class NativeLinear(nn.Module):
         """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
         if self.weight.dtype != dtype:
             return None
-        bias = None if self.bias is None else self.bias.data_ptr()
-        return (Product.GEMV, self.dt, self.weight.data_ptr(), None, None, None, bias, self.out_features,
-                self.in_features)  # fmt: skip
+        return (Product.GEMV, self.dt, self.weight.data_ptr(), None, None, None, address(self.bias),
+                self.out_features, self.in_features)  # fmt: skip
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.prompt_in_float32:
