@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, precisions, prepared_checkpoint, read_through, real_checkpoint
+from common import longest_wait, machine, precisions, prepared_checkpoint, read_through, real_checkpoint
 
 TEXT = "Kazeia reads every weight once per frame, so its speed is set by memory bandwidth."
 VOICE, LANGUAGE = "serena", "english"
@@ -100,21 +100,15 @@ class StepTimes:
                 setattr(generate, name, fn)
 
 
-def continuity(stream, buffer_s: float = 0.16) -> float:
-    """Play `stream` as a player would: start when the first chunk has come and `buffer_s` of audio
-    is known to be buffered ahead, then in real time. -> the longest time (s) the player would have
-    waited with nothing to play (0.0: it never ran dry)."""
-    start, played, worst = None, 0.0, 0.0  # played: seconds of audio the clock has reached
+def continuity(stream) -> float:
+    """Take `stream`'s chunks as they come and play them (`common.longest_wait`): the longest
+    time (s) a player would have waited with nothing to play."""
+    arrivals, played = [], 0.0
     for chunk in stream:
-        now = time.perf_counter()
-        if start is None:
-            start = now + buffer_s
-        due = start + played  # when this chunk's first sample must play
-        worst = max(worst, now - due)
-        if now > due:  # ran dry: playback resumes now
-            start += now - due
-        played += len(chunk.audio) / 24000
-    return worst
+        if len(chunk.audio):
+            arrivals.append((time.perf_counter(), played))
+            played += len(chunk.audio) / 24000
+    return longest_wait(arrivals)
 
 
 def run_kazeia(

@@ -68,3 +68,22 @@ def machine() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
+
+
+PLAYER_BUFFER_S = 0.160  # what a player holds before it starts
+
+
+def longest_wait(arrivals: list[tuple[float, float]], buffer_s: float = PLAYER_BUFFER_S) -> float:
+    """A stream played as a player would: starting `buffer_s` after its first chunk came, then in
+    real time. `arrivals`: per chunk with audio, in order, (when it came, seconds of audio before
+    it), times on any one clock. -> the longest time (s) the player waited with nothing to play
+    (0.0: it never ran dry); after a wait, playback resumes when the chunk comes."""
+    start, worst = None, 0.0
+    for at, before in arrivals:
+        if start is None:
+            start = at + buffer_s
+        due = start + before  # when this chunk's first sample must play
+        worst = max(worst, at - due)
+        if at > due:
+            start += at - due
+    return worst
