@@ -370,18 +370,22 @@ def _valid_wav(path) -> np.ndarray:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads a process's VmRSS from /proc")
 def test_a_chapter_streams_to_its_file_in_flat_memory(tiny_checkpoints, tmp_path):
-    """20,000 multilingual characters through `kazeia say --text-file` with a progress bar and
+    """40,000 multilingual characters through `kazeia say --text-file` with a progress bar and
     subtitles: the WAV grows as the audio is made while the process's resident memory stays flat.
 
     Sampled from outside every 20 ms against the file's size: from the first quarter of the audio
-    to the last, the median RSS may grow by at most a tenth of the audio's size as float32. Keeping
-    the audio in memory (as float32 chunks, let alone joined at the end) would move it by three
-    quarters of that size (from 1/8 to 7/8 of the audio); what may legitimately grow, the codes kept
-    for `stream.codes` (128 bytes a frame against 7680 of audio) and the list of segments, stays far
-    below the bound. Medians, so that one transient allocation (the decode of the last, shorter
-    chunk, a shape not seen before) is not counted as growth."""
+    to the last, the median RSS may grow by at most a tenth of the audio's size as float32 plus a
+    fixed 8 MiB. Keeping the audio in memory (as float32 chunks, let alone joined at the end) would
+    move it by three quarters of that size (from 1/8 to 7/8 of the audio, ~35 MB here), and even
+    keeping it as int16 by half as much; what may legitimately grow, the codes kept for
+    `stream.codes` (128 bytes a frame against 7680 of audio) and the list of segments, stays far
+    below the bound. The fixed part is the allocator's: a run on a loaded CI machine once grew by
+    7.4 MiB in one step, independent of how much audio there is (glibc gives each of the generation
+    and vocoder threads its own arena, and which one keeps a freed block depends on timing).
+    Medians, so that one transient allocation (the decode of the last, shorter chunk, a shape not
+    seen before) is not counted as growth."""
     wav, subtitles = tmp_path / "chapter.wav", tmp_path / "chapter.srt"
-    proc, _ = _say(tiny_checkpoints, tmp_path, 20_000, "-o", str(wav), "--subtitles", str(subtitles), "--progress")
+    proc, _ = _say(tiny_checkpoints, tmp_path, 40_000, "-o", str(wav), "--subtitles", str(subtitles), "--progress")
     samples = []  # (bytes of audio in the file, RSS)
     while proc.poll() is None:
         rss = _rss_bytes(proc.pid)
@@ -396,9 +400,9 @@ def test_a_chapter_streams_to_its_file_in_flat_memory(tiny_checkpoints, tmp_path
     last = [rss for size, rss in samples if size >= pcm_bytes * 3 // 4]
     assert len(first) >= 5 and len(last) >= 5, (len(first), len(last))  # it wrote as it went, not at the end
     float32_bytes = 4 * len(audio)
-    assert float32_bytes > 15 << 20  # enough audio for keeping it to show
+    assert float32_bytes > 40 << 20  # enough audio for keeping it to show above the allocator's noise
     growth = float(np.median(last) - np.median(first))
-    assert growth < float32_bytes / 10, (growth, float32_bytes)
+    assert growth < float32_bytes / 10 + (8 << 20), (growth, float32_bytes)
     segments = int(re.search(r"\((\d+) frames, (\d+) segments?\)", err).group(2))
     assert f"{segments}/{segments}" in err and "RTF" in err  # the progress bar's last state
     assert subtitles.read_text(encoding="utf-8").count(" --> ") == segments
