@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import LINEAR_POINTWISE
+from .layers import LINEAR_POINTWISE, pack_weight
 
 SNAKE_EPS = 1e-9
 # Inputs per call from which a transposed conv runs as one polyphase conv (`TimeMajorTransConv`):
@@ -25,6 +25,18 @@ POLYPHASE_MIN_POSITIONS = 256
 # A conv whose weight has this many times more values than its input runs as a matrix product
 # over its k-tap windows (`TimeMajorConv`): the conv would reorder the weight on every call.
 GEMM_MIN_WEIGHT_RATIO = 64
+# Where oneDNN packs matmul weights, a decoder conv or transposed conv with at least this many
+# weights, and every 1x1 conv, runs as one product on its packed weight (`pack`) at every call:
+# measured on each of the vocoder's at 1, 4 and 32 frames a call, that is then as fast or faster
+# (up to 10x for the first conv in 4-frame chunks); the smaller k-tap ones stay oneDNN convs,
+# faster from 4 frames on (docs/design.md).
+PACK_MIN_WEIGHTS = 2_000_000
+
+
+def packs_best(module: nn.Module) -> bool:
+    """Does `module` (a TimeMajorConv or TimeMajorTransConv) run fastest on a packed weight?"""
+    cin, cout, k = module.shape
+    return cin * cout * k >= PACK_MIN_WEIGHTS or (isinstance(module, TimeMajorConv) and k == 1)
 
 
 class CausalConv(nn.Module):
@@ -126,26 +138,51 @@ class TimeMajorConv(_TimeMajorTail, CausalConv):
 
     Runs as a (1 x k) conv2d on the channels-last view of x, with no copy in or out: oneDNN's
     convolutions are faster in that layout. `store_for_reading` stores the weight in that layout
-    too (same shape and values), else PyTorch copies it so on every call. A weight much larger
-    than the call's input (GEMM_MIN_WEIGHT_RATIO) is instead read in place by one matrix product
-    over the k-tap windows, as the conv would reorder it on every call.
+    too (same shape and values), else PyTorch copies it so on every call. After `pack`, and for a
+    weight much larger than the call's input (GEMM_MIN_WEIGHT_RATIO), it is instead one matrix
+    product over the k-tap windows, as the conv would reorder the weight on every call.
     """
+
+    def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1):
+        super().__init__(cin, cout, kernel, dilation)
+        self.register_buffer("packed", None, persistent=False)  # (C_out, k*C_in) packed, after `pack`
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(C_in, C_out, k), also once `pack` has dropped conv.weight."""
+        return self.conv.in_channels, self.conv.out_channels, self.conv.kernel_size[0]
 
     def forward(self, x: torch.Tensor, tails: list[torch.Tensor], act: SnakeBeta | None = None) -> torch.Tensor:
         x = _time_major_input(x, tails, self.slot, self.keep, act)  # (B, keep + L, C_in)
-        conv, (B, positions, cin) = self.conv, x.shape
-        cout, _, k = conv.weight.shape
+        conv, (B, positions, _) = self.conv, x.shape
+        if self.packed is not None:
+            y = LINEAR_POINTWISE(self._windows(x), self.packed, conv.bias, "none", [], "")
+            return y.view(B, positions - self.keep, conv.out_channels)
+        cout, cin, k = conv.weight.shape
         if conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * x.numel():
-            # One matrix product over the k-tap windows of x (a strided view, copied once): the
-            # weight, stored (C_out, k, C_in), is read in place, with no per-call reorder.
-            L, d = positions - self.keep, conv.dilation[0]
-            x = x.contiguous()
-            windows = x.as_strided((B, L, k, cin), (x.stride(0), cin, d * cin, 1)).reshape(B * L, k * cin)
-            y = torch.addmm(conv.bias, windows, conv.weight.transpose(1, 2).reshape(cout, k * cin).t())
-            return y.view(B, L, cout)
+            # The weight, stored (C_out, k, C_in), is read in place, with no per-call reorder.
+            y = torch.addmm(conv.bias, self._windows(x), conv.weight.transpose(1, 2).reshape(cout, k * cin).t())
+            return y.view(B, positions - self.keep, cout)
         weight = conv.weight.unsqueeze(2)  # (C_out, C_in, 1, k); channels-last when stored (C_out, k, C_in)
         y = F.conv2d(x.transpose(1, 2).unsqueeze(2), weight, conv.bias, dilation=(1, conv.dilation[0]))
         return y.squeeze(2).transpose(1, 2)  # (B, L, C_out)
+
+    def _windows(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, keep + L, C_in) -> its L k-tap windows (B * L, k * C_in): a strided view, copied once."""
+        (B, positions, cin), (k, d) = x.shape, (self.conv.kernel_size[0], self.conv.dilation[0])
+        x, L = x.contiguous(), positions - self.keep
+        if k == 1:
+            return x.view(B * L, cin)
+        return x.as_strided((B, L, k, cin), (x.stride(0), cin, d * cin, 1)).reshape(B * L, k * cin)
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Put the weight, as the (C_out, k*C_in) matrix of the windows' product, in oneDNN's packed
+        matmul layout (as `TimeMajorTransConv.pack`) in place of conv.weight: every call is then
+        that product."""
+        cin, cout, k = self.shape
+        self.packed = pack_weight(self.conv.weight.transpose(1, 2).reshape(cout, k * cin))
+        self.conv.weight = None
 
     def store_for_reading(self) -> None:
         """Store the weight (C_out, k, C_in), the order the conv reads (`Vocoder.load` does this)."""
@@ -161,8 +198,8 @@ class TimeMajorTransConv(_TimeMajorTail, TransConv):
     With k = taps * s, output t*s + p is a k=taps convolution of inputs t - taps + 1 .. t with the
     weights of phase p. For calls of at least POLYPHASE_MIN_POSITIONS inputs it runs so, as one
     oneDNN conv with s * C_out output channels (phase-major) whose output is already in time order;
-    shorter ones run as `TransConv` does (one product, an overlap-add), on a weight `pack`ed for
-    oneDNN's matmul where no call of the module ever goes polyphase (Vocoder.load decides).
+    shorter ones run as `TransConv` does (one product, an overlap-add). After `pack` (Vocoder.load,
+    where `packs_best`), every call is that product, on a weight packed for oneDNN's matmul.
     """
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int):
@@ -181,7 +218,7 @@ class TimeMajorTransConv(_TimeMajorTail, TransConv):
         is then off."""
         cin, cout, k = self.shape
         weight = self.conv.weight.reshape(cin, cout * k).t()  # (C_out*k, C_in), a Linear's (a view: no copy)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.packed = pack_weight(weight)
         self.conv.weight = None
 
     def forward(self, x: torch.Tensor, tails: list[torch.Tensor], act: SnakeBeta | None = None) -> torch.Tensor:

@@ -13,7 +13,6 @@ the layout its convolutions are fastest in (kazeia/conv.py).
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from torch import nn
 from . import native
 from .checkpoint import assign, load_tensors
 from .config import VocoderConfig
-from .conv import POLYPHASE_MIN_POSITIONS, CausalConv, SnakeBeta, TimeMajorConv, TimeMajorTransConv, TransConv
+from .conv import CausalConv, SnakeBeta, TimeMajorConv, TimeMajorTransConv, TransConv, packs_best
 from .layers import (
     Attention,
     LayerScale,
@@ -259,8 +258,8 @@ class Vocoder(nn.Module):
         chosen once, here (results change by float rounding only): convolution weights stored
         (C_out, k, C_in); on the CPU, SnakeBeta in kazeia/native where the library is there
         (float32), and where oneDNN packs matmul weights, the transformer's and ConvNeXt's linears
-        packed as the talker's, and so is the transposed conv of each decoder block whose offline
-        calls never go polyphase."""
+        packed as the talker's, and so are the decoder's convolutions that run fastest as products
+        on a packed weight (`conv.packs_best`: the large ones and the 1x1 ones)."""
         for module in self.modules():
             if isinstance(module, TimeMajorConv):
                 module.store_for_reading()
@@ -274,11 +273,9 @@ class Vocoder(nn.Module):
             return
         fuse_projections(self.pre_transformer)
         pack_linears(self)
-        inputs = math.prod(self.cfg.upsampling_ratios)  # per frame, into the first decoder block
-        for block, rate in zip(self.decoder[1:-2], self.cfg.upsample_rates, strict=True):
-            if inputs * OFFLINE_BLOCK < POLYPHASE_MIN_POSITIONS:  # never polyphase offline
-                block.block[1].pack()
-            inputs *= rate
+        for module in self.decoder.modules():
+            if isinstance(module, (TimeMajorConv, TimeMajorTransConv)) and packs_best(module):
+                module.pack()
 
     def new_state(self, batch: int = 1) -> VocoderState:
         """A fresh stream: zero conv tails, empty (zero, masked) attention windows, position 0."""

@@ -18,7 +18,15 @@ from kazeia import conv as conv_module
 from kazeia import native
 from kazeia.checkpoint import assign
 from kazeia.config import CheckpointError, VocoderConfig
-from kazeia.conv import GEMM_MIN_WEIGHT_RATIO, POLYPHASE_MIN_POSITIONS, SnakeBeta, TimeMajorConv, TimeMajorTransConv
+from kazeia.conv import (
+    GEMM_MIN_WEIGHT_RATIO,
+    PACK_MIN_WEIGHTS,
+    POLYPHASE_MIN_POSITIONS,
+    SnakeBeta,
+    TimeMajorConv,
+    TimeMajorTransConv,
+    packs_best,
+)
 from kazeia.layers import PackedLinear, can_pack
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
 from kazeia.vocoder import Vocoder, vocoder_tensors
@@ -174,9 +182,13 @@ def test_load_from_released_layout(tiny: Setup, tmp_path):
     # On the CPU loading also moves the linears onto oneDNN's packed weights (other sum order).
     packed = [name for name, m in loaded.named_modules() if isinstance(m, PackedLinear)]
     assert len(packed) == (4 * tiny.cfg.num_layers + 2 + 2 * 2 if can_pack(torch.float32) else 0), packed
-    # ...and the first block's transposed conv (4 inputs a frame: never polyphase) onto a packed weight
-    transposed = [m for m in loaded.modules() if isinstance(m, TimeMajorTransConv)]
-    assert [m.packed is not None for m in transposed] == [can_pack(torch.float32), False, False, False]
+    # ...and the decoder convs that run fastest so onto packed weights: at these tiny sizes (every
+    # weight under PACK_MIN_WEIGHTS) the 1x1 convs only, the second of each residual unit's two
+    convs = [m for m in loaded.modules() if isinstance(m, (TimeMajorConv, TimeMajorTransConv))]
+    assert all(m.shape[0] * m.shape[1] * m.shape[2] < PACK_MIN_WEIGHTS for m in convs)
+    ones = [m for m in convs if isinstance(m, TimeMajorConv) and m.shape[2] == 1]
+    assert len(ones) == 3 * len(tiny.cfg.upsample_rates)
+    assert [m.packed is not None for m in convs] == [can_pack(torch.float32) and m in ones for m in convs]
     assert max_diff(loaded(codes), tiny.vocoder(codes)) <= TOL
     assert max_diff(loaded(codes), tiny.reference_decode(codes)) <= TOL
 
@@ -264,7 +276,7 @@ def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setu
     convs = [m for m in loaded.modules() if isinstance(m, TimeMajorConv)]
     assert len(convs) == 2 + 3 * 2 * len(tiny.cfg.upsample_rates)
     for name, module in loaded.named_modules():
-        if isinstance(module, TimeMajorConv):
+        if isinstance(module, TimeMajorConv) and module.packed is None:  # packed: the test below
             weight = module.conv.weight
             assert weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last), name
             assert torch.equal(weight, tiny.tensors[f"decoder.{name}.conv.weight"]), name
@@ -296,3 +308,31 @@ def test_decoder_conv_is_conv1d_as_product_or_conv(batch: int, positions: int, m
         expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), conv.conv.weight, conv.conv.bias, dilation=2)
     torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
     assert torch.equal(tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])
+
+
+@pytest.mark.parametrize("kernel, dilation", [(7, 2), (1, 1)])
+@pytest.mark.parametrize("batch, positions", [(1, 1), (2, 5), (1, 300)])
+def test_a_packed_decoder_conv_is_conv1d(kernel: int, dilation: int, batch: int, positions: int):
+    """After `pack`, `TimeMajorConv` is one product on oneDNN's packed weight at every call size,
+    PyTorch's causal Conv1d over the carried and new inputs, and the carried input moves on."""
+    if not can_pack(torch.float32):
+        pytest.skip("no oneDNN packed matmul here")
+    torch.manual_seed(2)
+    conv = TimeMajorConv(24, 40, kernel, dilation=dilation)
+    conv.slot = 0
+    with torch.no_grad():
+        conv.conv.weight.copy_(torch.randn_like(conv.conv.weight) / 8)
+        conv.conv.bias.copy_(torch.randn_like(conv.conv.bias))
+    conv.store_for_reading()
+    weight = conv.conv.weight.detach().clone()
+    assert packs_best(conv) == (kernel == 1)  # small: only a 1x1 conv packs of itself
+    conv.pack()
+    assert conv.conv.weight is None and conv.shape == (24, 40, kernel)
+    tail, x = torch.randn(batch, conv.keep, 24), torch.randn(batch, positions, 24)  # time-major
+    tails = [tail.clone()]
+    with torch.no_grad():
+        got = conv(x, tails)
+        expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), weight, conv.conv.bias, dilation=dilation)
+    torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    if conv.keep:
+        assert torch.equal(tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])
