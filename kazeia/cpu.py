@@ -25,9 +25,12 @@ first runs a kernel, and changing a process's environment is the caller's busine
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import os
 import platform
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 FEATURES = ("avx2", "avx512", "vnni", "bf16", "f16")
@@ -192,3 +195,41 @@ def describe() -> str:
     have, use = detected(), enabled()
     line = f"CPU features: {', '.join(sorted(have)) or 'none'}"
     return line if use == have else f"{line}; {ENV} enables {', '.join(sorted(use)) or 'none'}"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it), at least one."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+@functools.cache
+def _omp_set_num_threads() -> Callable[[int], int] | None:
+    """omp_set_num_threads of the OpenMP runtime torch runs on, or None."""
+    try:
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):  # no OpenMP torch (or no such runtime in the process)
+        return None
+
+
+@contextlib.contextmanager
+def team(threads: int | None) -> Iterator[None]:
+    """Run the block's parallel regions on `threads` threads, in the calling thread only.
+
+    OpenMP keeps the team size per thread: setting it here leaves other threads, and the count
+    torch gives threads it starts later (`torch.set_num_threads`'s, process-wide), as they were;
+    the vocoder's thread keeps its own. None, or a torch without OpenMP: the block as it is."""
+    import torch
+
+    set_team = _omp_set_num_threads()
+    if threads is None or set_team is None:
+        yield
+        return
+    before = torch.get_num_threads()  # first: torch's own first call in a thread resets the team
+    set_team(threads)
+    try:
+        yield
+    finally:
+        set_team(before)

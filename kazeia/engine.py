@@ -17,6 +17,7 @@ and seed give the same codes and the same audio bytes. Bad input raises `Request
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
@@ -88,6 +89,13 @@ class Engine:
         voice_model = cloner.model if cloner is not None else None
         self.rules = Rules(cfg, tokenizer, defaults, voice_model, vocoder.cfg.codebook_size)
         self._priming = Priming(vocoder)  # ICL voices: vocoder states after their reference frames
+        # A request's first prompt, while the engine has no other request or open stream, runs on
+        # every core of the two stages: its vocoder has nothing to decode yet (Steps.prompt_threads).
+        self._running = _Running()
+        threads = torch.get_num_threads()
+        prompt_threads = min(cpu.usable_cpus(), 2 * threads)
+        alone = device.type == "cpu" and prompt_threads > threads
+        self._alone = generate.Steps(prompt_threads) if alone else generate.SOLO
 
     @classmethod
     def load(
@@ -343,8 +351,10 @@ class Engine:
         state = None if ref is None else self._priming.state(ref)
         if scheduler is not None and scheduler.engine is not self:
             raise ValueError("the scheduler belongs to another engine")
+        others = self._running.enter()  # until the stream closes: its vocoder works until then
+        first = self._alone if scheduler is None and not others else generate.SOLO
         frames = (
-            (lambda stop: self.timeline(request, _either(stop, should_stop)))
+            (lambda stop: self._timeline(request, _either(stop, should_stop), first, generate.SOLO))
             if scheduler is None
             else scheduler.source(request, should_stop)
         )
@@ -358,8 +368,10 @@ class Engine:
                 state,
                 request.live,
                 request.speed,
+                on_close=self._running.leave,
             )
         except BaseException:  # e.g. no thread could be started: the scheduler's place is given back
+            self._running.leave()
             getattr(frames, "release", lambda: None)()
             raise
 
@@ -414,13 +426,25 @@ class Engine:
         `carry_context` the previous segment's text and frames as in-context reference (a segment the
         guard found looping is not continued). A segment the caller stops ends the utterance.
         `steps`: who runs the frame steps (generate.Steps; a scheduler's batch several requests)."""
+        others = self._running.enter()
+        try:
+            first = self._alone if steps is generate.SOLO and not others else steps  # the first segment's
+            yield from self._timeline(request, should_stop, first, steps)
+        finally:
+            self._running.leave()
+
+    def _timeline(
+        self, request: Request, should_stop: Callable[[], bool] | None, first: generate.Steps, steps: generate.Steps
+    ) -> Iterator[torch.Tensor | Segment]:
         rate, per_frame = self.vocoder.cfg.sample_rate, self.vocoder.cfg.samples_per_frame
         start, previous = 0, None
         for index, part in enumerate(request.parts or (None,)):
             made: list[torch.Tensor] = []
             guard = None
+            if index == 1:
+                first = steps
             if part is None:  # live text: one segment, as long as max_new_tokens allows
-                reason = yield from _kept(self._live_frames(request, should_stop, steps), made)
+                reason = yield from _kept(self._live_frames(request, should_stop, first), made)
                 text = request.live.text if request.live is not None else ""
             else:
                 cond = _continued(request, previous)
@@ -428,7 +452,7 @@ class Engine:
                     prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
                 generator = torch.Generator(device=self.device).manual_seed(part.seed)
                 guard = Guard(part.budget, request.long_text.loop_frames) if request.guarded else None
-                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard, steps)
+                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard, first)
                 reason, text = (yield from _kept(frames, made)), part.text
             end = start + len(made) * per_frame
             yield Segment(index, text, start, end, reason, rate)
@@ -489,11 +513,24 @@ class Engine:
 
 def stage_threads() -> int:
     """torch threads per stage by default: half the CPUs this process may run on, at least one."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        usable = os.cpu_count() or 1
-    return max(1, usable // 2)
+    return max(1, cpu.usable_cpus() // 2)
+
+
+class _Running:
+    """How many timelines and open streams an engine has: `enter` counts one in and returns how
+    many others there were, `leave` counts it out."""
+
+    def __init__(self) -> None:
+        self._lock, self._count = threading.Lock(), 0
+
+    def enter(self) -> int:
+        with self._lock:
+            self._count += 1
+            return self._count - 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
 
 
 def _kept(frames: Generator[torch.Tensor, None, str], into: list[torch.Tensor]) -> Generator[torch.Tensor, None, str]:

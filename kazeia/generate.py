@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu
 from .layers import KVCache
 from .model import TTSModel
 from .prompt import Prompt, frame_embedding
@@ -63,8 +64,15 @@ class Decoding:
     codes: torch.Tensor | None = None  # (1, 16) the last frame
 
 
-def prefill(model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
-    """The talker over the prompt, then the first frame: -> (Decoding, codes (1, 16) or None)."""
+def prefill(
+    model: TTSModel,
+    prompt: Prompt,
+    opts: SamplingOptions,
+    generator: torch.Generator | None,
+    prompt_threads: int | None = None,
+):
+    """The talker over the prompt, then the first frame: -> (Decoding, codes (1, 16) or None).
+    prompt_threads: the threads of the talker's pass over the prompt (`cpu.team`; None: torch's)."""
     talker, device = model.talker, prompt.embeds.device
     length = prompt.embeds.shape[1]
     state = Decoding(
@@ -75,7 +83,8 @@ def prefill(model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: t
         torch.empty(1, opts.max_new_tokens, dtype=torch.long, device=device),
         length,
     )
-    hidden = talker(prompt.embeds, state.cache.layers, 0)[:, -1:]  # (1, 1, H)
+    with cpu.team(prompt_threads):
+        hidden = talker(prompt.embeds, state.cache.layers, 0)[:, -1:]  # (1, 1, H)
     return state, _frame(model, state, hidden)
 
 
@@ -134,13 +143,20 @@ class Steps:
     """How `frames` runs its steps: this one at once, in the caller's thread. A scheduler's steps
     (kazeia/scheduler.py) run them in its own thread instead, batched with other requests';
     `exclusive()` then keeps the caller's own model work (its prompt, live text's embeddings) from
-    running beside them: the model runs in one thread at a time, on generation's own core(s)."""
+    running beside them: the model runs in one thread at a time, on generation's own core(s).
+    prompt_threads: the prefill's threads over the prompt (None: torch's), for a prefill that has
+    the machine to itself: before a stream's first audio its vocoder has nothing to do."""
+
+    prompt_threads: int | None = None
+
+    def __init__(self, prompt_threads: int | None = None):
+        self.prompt_threads = prompt_threads
 
     def exclusive(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
-        return prefill(model, prompt, opts, generator)
+        return prefill(model, prompt, opts, generator, self.prompt_threads)
 
     def decode(self, model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
         return decode_frame(model, state, text)

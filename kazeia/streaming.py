@@ -180,10 +180,13 @@ class SpeechStream:
         state: VocoderState | None = None,
         live=None,
         speed: float = 1.0,
+        on_close: Callable[[], None] | None = None,
     ):
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
         `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
-        `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`."""
+        `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`.
+        `on_close`: called once, when the stream is closed (at its end, by `close`, or collected)."""
+        self._on_close = on_close
         self._live = live
         self._speed = speed
         self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
@@ -326,6 +329,12 @@ class SpeechStream:
         self._stop.set()
         if self._worker is not threading.current_thread():
             self._worker.join()
+        self._closed()
+
+    def _closed(self) -> None:
+        on_close = self.__dict__.pop("_on_close", None)  # atomic: called once whoever comes first
+        if on_close is not None:
+            on_close()
 
     def __enter__(self) -> SpeechStream:
         return self
@@ -337,3 +346,4 @@ class SpeechStream:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        self._closed()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,30 @@ def test_the_isa_sensitive_tests_pass_at_every_level(level):
         timeout=900,
     )
     assert done.returncode == 0, f"KAZEIA_ISA={level}:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
+
+
+def test_a_team_is_the_calling_threads_alone():
+    """`cpu.team` gives the calling thread's parallel regions more threads for a block and no other
+    thread's, not even one whose first torch call falls inside the block; it undoes itself."""
+    if cpu._omp_set_num_threads() is None:
+        pytest.skip("torch runs on no OpenMP runtime here")
+    seen: dict[str, int] = {}
+    inside, measured = threading.Event(), threading.Event()
+
+    def other() -> None:
+        inside.wait(10)
+        seen["other"] = torch.get_num_threads()
+        measured.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    before = torch.get_num_threads()
+    with cpu.team(before + 1):
+        seen["inside"] = torch.get_num_threads()
+        inside.set()
+        measured.wait(10)
+    seen["after"] = torch.get_num_threads()
+    thread.join()
+    assert seen == {"inside": before + 1, "other": before, "after": before}
+    with cpu.team(None):
+        assert torch.get_num_threads() == before

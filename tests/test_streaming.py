@@ -5,9 +5,14 @@ import time
 
 import numpy as np
 import pytest
+import torch
+from conftest import INT8
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kazeia import Engine, generate
+from kazeia.prompt import build_prompt
+from kazeia.segment import LongTextOptions
 from kazeia.streaming import QUEUE_FRAMES, ChunkSchedule
 
 TEXT = "Streaming should sound exactly like offline synthesis."
@@ -173,3 +178,46 @@ def test_reference_chunked_decode_option(engines):
     assert np.max(np.abs(exact.audio[cut:] - chunked.audio[cut:])) > 1e-4
     with pytest.raises(ValueError, match="reference_chunked_decode must be True or False"):
         engine.synthesize(TEXT, voice="ryan", reference_chunked_decode="yes")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", INT8, "int4"])
+def test_a_prompt_on_a_team_gives_the_same_state(tiny_checkpoints, dtype):
+    """The talker's pass over a prompt on two threads (generate.prefill's prompt_threads) leaves
+    the same KV cache and first frame as on one, bit for bit: which of them a request gets may
+    depend on what else the engine does (test below), its codes may not."""
+    engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype=dtype)
+    request = engine.request(TEXT, voice=engine.voices[0], seed=4, do_sample=True)
+    part = request.parts[0]
+    prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
+    made = []
+    for threads in (None, 2):
+        with torch.inference_mode():
+            generator = torch.Generator().manual_seed(part.seed)
+            state, codes = generate.prefill(engine.model, prompt, request.options, generator, threads)
+        made.append((codes, [(c.k.clone(), c.v.clone()) for c in state.cache.layers]))
+    (codes_one, kv_one), (codes_two, kv_two) = made
+    assert torch.equal(codes_one, codes_two)
+    assert all(torch.equal(a, b) for pair in zip(kv_one, kv_two, strict=True) for a, b in zip(*pair, strict=True))
+
+
+def test_only_a_first_prompt_alone_gets_the_team(engines, monkeypatch):
+    """A stream's first prompt runs on the engine's team (every core of the two stages) only when
+    the engine has no other request running and no other stream open: the vocoder has nothing to
+    decode then. A second stream opened meanwhile, and later segments, keep torch's threads."""
+    engine = engines["0.6B-custom"]
+    team = engine._alone.prompt_threads  # None on a one-core machine: then nobody gets more
+    seen: list[int | None] = []
+    prefill = generate.prefill
+    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4]) or prefill(*a))
+    options = {"voice": "ryan", "seed": 3, "max_new_tokens": 6}
+    first = engine.stream(TEXT, **options)
+    next(first)  # its prompt has run
+    with engine.stream(TEXT, **options) as second:
+        list(second)
+    list(first)
+    assert seen == [team, None]
+    list(engine.stream(TEXT, **options))  # both closed: alone again
+    assert seen[2:] == [team]
+    long_text = LongTextOptions(segment_tokens=4)
+    list(engine.stream("One two three four. Five six seven eight.", long_text=long_text, **options))
+    assert len(seen) >= 5 and seen[3:] == [team] + [None] * (len(seen) - 4)  # a segment each
