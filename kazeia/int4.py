@@ -30,7 +30,7 @@ import os
 import torch
 from torch import nn
 
-from .layers import replace_linears
+from .layers import matrix_product, replace_linears
 from .native import Product, address
 
 GROUP = 32  # weights per step and offset
@@ -226,7 +226,7 @@ class Int4Linear(nn.Module):
 
 class HeadLinear(nn.Module):
     """An output head (logits): bfloat16 weights, float32 activations and sums, in gemv.c's
-    `gemv_wide` for one or two rows (F.linear on the widened weight for more)."""
+    `gemv_wide` for one or two rows (`layers.matrix_product` on the widened weight for more)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL):
         super().__init__()
@@ -243,7 +243,7 @@ class HeadLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         if rows.shape[0] > 2:
-            y = torch.nn.functional.linear(rows, self.weight.float(), self.bias)
+            y = matrix_product(rows, self.weight.float(), self.bias)
         else:
             y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
             self.lib.gemv_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),

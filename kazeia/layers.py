@@ -365,6 +365,15 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
 
 
+def matrix_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for many rows (a prompt's) on a plain float32 weight: oneDNN's matmul
+    where torch has it, which ran these 1.2-2.2x faster than `F.linear`'s kernel on one thread and
+    takes a `cpu.team` (F.linear's does not); its results do not depend on the team's size."""
+    if weight.dtype == torch.float32 and x.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return LINEAR_POINTWISE(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class PackedLinear(nn.Module):
     """A Linear whose weight is pre-packed for oneDNN's CPU matmul (float32 / bfloat16).
 

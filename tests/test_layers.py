@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kazeia.layers import Attention, KVCache, Rotary, apply_rotary, cache_dtype, rms_norm
+from kazeia import cpu
+from kazeia.layers import Attention, KVCache, Rotary, apply_rotary, cache_dtype, matrix_product, rms_norm
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,3 +56,17 @@ def test_float32_cache_attention_matches_same_dtype_attention():
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), same.float(), rtol=0.02, atol=0.02)
     assert torch.equal(wide.k[:, :, :6].bfloat16(), narrow.k[:, :, :6])  # keys stored exactly
+
+
+@pytest.mark.parametrize("rows", [3, 49])
+def test_a_prompt_product_is_f_linear_whatever_its_team(rows):
+    """`layers.matrix_product` (oneDNN's matmul on the plain weight) gives F.linear's product to
+    float rounding, and the same bits on a team of two threads as on one (`cpu.team`)."""
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(384, 256), torch.randn(384), torch.randn(rows, 256)
+    alone = matrix_product(x, weight, bias)
+    torch.testing.assert_close(alone, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    with cpu.team(2):
+        assert torch.equal(matrix_product(x, weight, bias), alone)
+    half = matrix_product(x.bfloat16(), weight.bfloat16(), bias.bfloat16())  # not float32: F.linear's
+    assert torch.equal(half, F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()))

@@ -4,9 +4,9 @@ A decoding step multiplies one or two activation rows by each weight: a weight r
 weight. gemv.c streams each weight row once at nearly the read bandwidth of one thread, where the
 stock and oneDNN kernels, run on one thread, read well below it (figures: docs/design.md); the
 engine gives generation one thread of its own (kazeia/engine.py), so this is its product. More
-rows (a prompt) are a matrix product bound by arithmetic: `F.linear` on the same weight, in float32
-where the CPU has no bfloat16/float16 dot products (the stock half-precision kernels are slow
-there). Tensors only.
+rows (a prompt) are a matrix product bound by arithmetic: `layers.matrix_product` on the same
+weight, in float32 where the CPU has no bfloat16/float16 dot products (the stock half-precision
+kernels are slow there). Tensors only.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import ctypes
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import cpu
+from ..layers import matrix_product
 from . import Product, address
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -60,9 +60,9 @@ class NativeLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.prompt_in_float32:
-            return F.linear(x, self.weight, self.bias)
+            return matrix_product(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return matrix_product(x.float(), self.weight.float(), bias).to(x.dtype)
 
 
 def usable(lib: ctypes.CDLL | None, dtype: torch.dtype) -> bool:
