@@ -72,7 +72,7 @@ def prefill(
     prompt_threads: int | None = None,
 ):
     """The talker over the prompt, then the first frame: -> (Decoding, codes (1, 16) or None).
-    prompt_threads: the threads of the talker's pass over the prompt (`cpu.team`; None: torch's)."""
+    prompt_threads: the threads of both (`cpu.team`; None: torch's)."""
     talker, device = model.talker, prompt.embeds.device
     length = prompt.embeds.shape[1]
     state = Decoding(
@@ -85,7 +85,7 @@ def prefill(
     )
     with cpu.team(prompt_threads):
         hidden = talker(prompt.embeds, state.cache.layers, 0)[:, -1:]  # (1, 1, H)
-    return state, _frame(model, state, hidden)
+        return state, _frame(model, state, hidden)
 
 
 def decode_frame(model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
@@ -144,7 +144,7 @@ class Steps:
     (kazeia/scheduler.py) run them in its own thread instead, batched with other requests';
     `exclusive()` then keeps the caller's own model work (its prompt, live text's embeddings) from
     running beside them: the model runs in one thread at a time, on generation's own core(s).
-    prompt_threads: the prefill's threads over the prompt (None: torch's), for a prefill that has
+    prompt_threads: the prefill's threads (None: torch's), for a prefill that has
     the machine to itself: before a stream's first audio its vocoder has nothing to do."""
 
     prompt_threads: int | None = None
