@@ -30,6 +30,7 @@ import ctypes
 import functools
 import os
 import platform
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -214,22 +215,37 @@ def _omp_set_num_threads() -> Callable[[int], int] | None:
         return None
 
 
+_local = threading.local()
+
+
+def native_threads() -> int:
+    """The threads Kazeia's own multi-threaded kernels may take in the calling thread: its
+    `team`'s, else one."""
+    return getattr(_local, "threads", 1)
+
+
 @contextlib.contextmanager
-def team(threads: int | None) -> Iterator[None]:
-    """Run the block's parallel regions on `threads` threads, in the calling thread only.
+def team(threads: int | None, openmp: bool = True) -> Iterator[None]:
+    """Run the block's parallel work on `threads` threads, in the calling thread only: Kazeia's
+    own kernels (`native_threads`) and, with `openmp`, torch's parallel regions.
 
     OpenMP keeps the team size per thread: setting it here leaves other threads, and the count
     torch gives threads it starts later (`torch.set_num_threads`'s, process-wide), as they were;
-    the vocoder's thread keeps its own. None, or a torch without OpenMP: the block as it is."""
+    the vocoder's thread keeps its own. None: the block as it is; a torch without OpenMP: its
+    regions as they are."""
     import torch
 
-    set_team = _omp_set_num_threads()
-    if threads is None or set_team is None:
+    if threads is None:
         yield
         return
-    before = torch.get_num_threads()  # first: torch's own first call in a thread resets the team
-    set_team(threads)
+    set_team = _omp_set_num_threads() if openmp else None
+    before, native = torch.get_num_threads(), native_threads()  # first: torch's first call in a thread resets the team
+    _local.threads = threads
+    if set_team is not None:
+        set_team(threads)
     try:
         yield
     finally:
-        set_team(before)
+        _local.threads = native
+        if set_team is not None:
+            set_team(before)

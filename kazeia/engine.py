@@ -31,6 +31,7 @@ from .audio import SAMPLE_RATE, load_reference_audio
 from .checkpoint import DTYPES, release_freed_memory, resolve
 from .config import ModelConfig
 from .errors import RequestError
+from .int4 import Int4Linear
 from .live import live_trailing
 from .model import TTSModel
 from .prepared import prepared_dtype
@@ -95,7 +96,8 @@ class Engine:
         threads = torch.get_num_threads()
         prompt_threads = min(cpu.usable_cpus(), 2 * threads)
         alone = device.type == "cpu" and prompt_threads > threads
-        self._alone = generate.Steps(prompt_threads) if alone else generate.SOLO
+        int4 = any(isinstance(m, Int4Linear) for m in model.talker.modules())  # its own threads
+        self._alone = generate.Steps(prompt_threads, openmp=not int4) if alone else generate.SOLO
 
     @classmethod
     def load(

@@ -70,9 +70,11 @@ def prefill(
     opts: SamplingOptions,
     generator: torch.Generator | None,
     prompt_threads: int | None = None,
+    openmp: bool = True,
 ):
     """The talker over the prompt, then the first frame: -> (Decoding, codes (1, 16) or None).
-    prompt_threads: the threads of both (`cpu.team`; None: torch's)."""
+    prompt_threads: the threads of both (`cpu.team`, with torch's regions where `openmp`; None:
+    torch's)."""
     talker, device = model.talker, prompt.embeds.device
     length = prompt.embeds.shape[1]
     state = Decoding(
@@ -83,7 +85,7 @@ def prefill(
         torch.empty(1, opts.max_new_tokens, dtype=torch.long, device=device),
         length,
     )
-    with cpu.team(prompt_threads):
+    with cpu.team(prompt_threads, openmp):
         hidden = talker(prompt.embeds, state.cache.layers, 0)[:, -1:]  # (1, 1, H)
         return state, _frame(model, state, hidden)
 
@@ -144,19 +146,22 @@ class Steps:
     (kazeia/scheduler.py) run them in its own thread instead, batched with other requests';
     `exclusive()` then keeps the caller's own model work (its prompt, live text's embeddings) from
     running beside them: the model runs in one thread at a time, on generation's own core(s).
-    prompt_threads: the prefill's threads (None: torch's), for a prefill that has
-    the machine to itself: before a stream's first audio its vocoder has nothing to do."""
+    prompt_threads: the prefill's threads (None: torch's), for a prefill that has the machine to
+    itself: before a stream's first audio its vocoder has nothing to do. openmp: torch's parallel
+    regions take them too; not where Kazeia's own threaded kernels do the work (int4: the two
+    kinds of threads then fight over the cores, 1.3x slower than either alone)."""
 
     prompt_threads: int | None = None
+    openmp: bool = True
 
-    def __init__(self, prompt_threads: int | None = None):
-        self.prompt_threads = prompt_threads
+    def __init__(self, prompt_threads: int | None = None, openmp: bool = True):
+        self.prompt_threads, self.openmp = prompt_threads, openmp
 
     def exclusive(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
     def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
-        return prefill(model, prompt, opts, generator, self.prompt_threads)
+        return prefill(model, prompt, opts, generator, self.prompt_threads, self.openmp)
 
     def decode(self, model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
         return decode_frame(model, state, text)

@@ -30,6 +30,7 @@ import os
 import torch
 from torch import nn
 
+from . import cpu
 from .layers import matrix_product, replace_linears
 from .native import Product, address
 
@@ -41,6 +42,9 @@ STEPS, OFFSETS = 255, 127  # the grids of a group's step (uint8) and offset (int
 # reach 7.04 % relative error on Gaussian weights, seventeen 7.02 %, one (min-max) 7.5 %.
 SHIFTS = tuple(-1.0 + 0.25 * i for i in range(9))
 CHUNK = 1 << 16  # rows x groups per quantization block (bounds the search's temporaries)
+# Activation rows from which a product splits its weight rows over a team's threads (a prompt's;
+# a decoding step's one or two rows stay on one thread: int4_gemm).
+SPLIT_MIN_ROWS = 8
 
 
 def supported(in_features: int) -> bool:
@@ -196,8 +200,13 @@ class Int4Linear(nn.Module):
         if rows.dtype != torch.float32 or not rows.is_contiguous():
             rows = rows.float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        status = self._product()(rows.data_ptr(), self._bias, y.data_ptr(), self.out_features, self.in_features,
-                                 rows.shape[0])  # fmt: skip
+        product = self._product()
+        args = (rows.data_ptr(), self._bias, y.data_ptr(), self.out_features, self.in_features, rows.shape[0])
+        threads = cpu.native_threads() if rows.shape[0] >= SPLIT_MIN_ROWS else 1
+        if threads > 1:  # a prompt's product on a team (generate.prefill): the same results, sooner
+            status = self.lib.int4_gemm(*self._addresses(), *args, threads)
+        else:
+            status = product(*args)
         if status == -2:
             raise MemoryError(f"int4 product of {rows.shape[0]} rows: out of memory")
         if status != 0:

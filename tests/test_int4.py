@@ -82,6 +82,22 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     assert torch.equal(linear(x[2:4]), together[2:4])
 
 
+@pytest.mark.parametrize("threads", [2, 3, 500])
+def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads):
+    """A product of many rows (a prompt's) in a `cpu.team` splits its weight rows over the team's
+    threads (int4_gemm): every result is the one-thread result, bit for bit, for any split
+    (more threads than rows included); a decoding step's rows stay on one thread."""
+    gen = torch.Generator().manual_seed(2)
+    linear = Int4Linear.from_float(torch.randn(200, 512, generator=gen), torch.randn(200, generator=gen), LIB)
+    x = torch.randn(int4.SPLIT_MIN_ROWS + 5, 512, generator=gen)
+    alone = linear(x)
+    with cpu.team(threads, openmp=False):
+        assert cpu.native_threads() == threads
+        assert torch.equal(linear(x), alone)
+        assert torch.equal(linear(x[:2]), alone[:2])
+    assert cpu.native_threads() == 1
+
+
 def test_special_activations():
     linear = Int4Linear.from_float(torch.randn(16, 128), None, LIB)
     assert torch.equal(linear(torch.zeros(1, 128)), torch.zeros(1, 16))

@@ -193,14 +193,15 @@ def test_a_prompt_on_a_team_gives_the_same_state(tiny_checkpoints, dtype):
     for threads in (None, 2):
         with torch.inference_mode():
             generator = torch.Generator().manual_seed(part.seed)
-            state, codes = generate.prefill(engine.model, prompt, request.options, generator, threads)
+            state, codes = generate.prefill(engine.model, prompt, request.options, generator, threads,
+                                            engine._alone.openmp)  # fmt: skip
         made.append((codes, [(c.k.clone(), c.v.clone()) for c in state.cache.layers]))
     (codes_one, kv_one), (codes_two, kv_two) = made
     assert torch.equal(codes_one, codes_two)
     assert all(torch.equal(a, b) for pair in zip(kv_one, kv_two, strict=True) for a, b in zip(*pair, strict=True))
 
 
-def test_only_a_first_prompt_alone_gets_the_team(engines, monkeypatch):
+def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monkeypatch):
     """A stream's first prompt runs on the engine's team (every core of the two stages) only when
     the engine has no other request running and no other stream open: the vocoder has nothing to
     decode then. A second stream opened meanwhile, and later segments, keep torch's threads."""
@@ -221,3 +222,6 @@ def test_only_a_first_prompt_alone_gets_the_team(engines, monkeypatch):
     long_text = LongTextOptions(segment_tokens=4)
     list(engine.stream("One two three four. Five six seven eight.", long_text=long_text, **options))
     assert len(seen) >= 5 and seen[3:] == [team] + [None] * (len(seen) - 4)  # a segment each
+    # torch's parallel regions join the team, except where int4's own threaded products do the work
+    if team is not None:
+        assert engine._alone.openmp and not Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")._alone.openmp

@@ -24,9 +24,11 @@
    depends only on that row and the weights: never on m or the other rows (batching relies on it). The
    instructions: AVX-512 BW with VNNI (vpdpwssd), AVX-512 BW, AVX2 (vpmaddubsw, vpmaddwd), or plain
    C, chosen by the build's target flags (kazeia/cpu.py); all compute the same integers (no pair
-   sum saturates). One thread: a decoding step's product, on the generation thread (engine.py). */
+   sum saturates). One thread for a decoding step's product, on the generation thread (engine.py);
+   a prompt's may split its weight rows over more (int4_gemm, `cpu.team`). */
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -251,11 +253,44 @@ static float offsets_dot(const int8_t *n, const float *sums, long groups) {
     return total;
 }
 
+/* One thread's share of a product: weight rows [first, last) against the m quantized rows. */
+struct int4_job {
+    const uint8_t *qw, *gs;
+    const int8_t *gn, *p;
+    const float *rf, *t, *sums, *bias;
+    float *y;
+    long rows, cols, m, first, last;
+};
+
+static void *int4_job_run(void *arg) {
+    const struct int4_job *j = arg;
+    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
+    for (long r = j->first; r < j->last; r++) {
+        const uint8_t *steps = j->gs + r * groups;
+        const int8_t *offsets = j->gn + r * groups;
+        float d = j->rf[2 * r], e = j->rf[2 * r + 1], b = j->bias ? j->bias[r] : 0.0f;
+        for (long i = 0; i < j->m; i += 2) {
+            int two = j->m - i >= 2;
+            float dots[2];
+            row_dots(j->qw + r * (cols / 2), steps, j->p + i * cols, two ? j->p + (i + 1) * cols : NULL,
+                     j->t + i * blocks, two ? j->t + (i + 1) * blocks : NULL, cols, block, dots);
+            for (long k = 0; k <= two; k++)
+                j->y[(i + k) * j->rows + r] =
+                    d * dots[k] - e * offsets_dot(offsets, j->sums + (i + k) * groups, groups) + b;
+        }
+    }
+    return NULL;
+}
+
+enum { MAX_THREADS = 16 };
+
 /* y (m x rows) = x (m x cols) @ W.T [+ bias]; W as described above: codes qw (rows x cols/2
    bytes), steps gs (rows x cols/32, uint8), offsets gn (rows x cols/32, int8), row factors rf
-   (rows x 2 float32: d, e). Returns 0, -1 for a shape it does not take, -2 out of memory. */
-int int4_gemv(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
-              const float *bias, float *y, long rows, long cols, long m) {
+   (rows x 2 float32: d, e). The weight rows are split over `threads` threads (a prompt's
+   product); every result is computed as with one. Returns 0, -1 for a shape it does not take,
+   -2 out of memory. */
+int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
+              const float *bias, float *y, long rows, long cols, long m, int threads) {
     if (m < 1 || rows < 1 || cols < UNIT || cols % UNIT) return -1;
     long groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
     /* per activation row: codes, block steps, group sums; per weight row: steps, offsets */
@@ -268,20 +303,30 @@ int int4_gemv(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
     }
     float *sums = t + m * blocks;
     for (long i = 0; i < m; i++) int4_quantize_row(x + i * cols, cols, p + i * cols, t + i * blocks, sums + i * groups);
-    for (long r = 0; r < rows; r++) {
-        const uint8_t *steps = gs + r * groups;
-        const int8_t *offsets = gn + r * groups;
-        float d = rf[2 * r], e = rf[2 * r + 1], b = bias ? bias[r] : 0.0f;
-        for (long i = 0; i < m; i += 2) {
-            int two = m - i >= 2;
-            float dots[2];
-            row_dots(qw + r * (cols / 2), steps, p + i * cols, two ? p + (i + 1) * cols : NULL, t + i * blocks,
-                     two ? t + (i + 1) * blocks : NULL, cols, block, dots);
-            for (long k = 0; k <= two; k++)
-                y[(i + k) * rows + r] = d * dots[k] - e * offsets_dot(offsets, sums + (i + k) * groups, groups) + b;
-        }
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > rows) threads = (int)rows;
+    if (threads < 1) threads = 1;
+    struct int4_job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (struct int4_job){qw, gs, gn, p, rf, t, sums, bias, y, rows, cols, m,
+                                    rows * i / threads, rows * (i + 1) / threads};
+    for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, int4_job_run, &jobs[i]) == 0;
+    int4_job_run(&jobs[0]);
+    for (int i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(ids[i], NULL);
+        else
+            int4_job_run(&jobs[i]); /* no thread to be had: its share here */
     }
     free(p);
     free(t);
     return 0;
+}
+
+/* int4_gemm on the calling thread alone: a decoding step's product (stack.c calls it too). */
+int int4_gemv(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
+              const float *bias, float *y, long rows, long cols, long m) {
+    return int4_gemm(qw, gs, gn, rf, x, bias, y, rows, cols, m, 1);
 }
