@@ -128,7 +128,9 @@ class Engine:
             the vocoder, each in a thread of its own (process-wide: `torch.set_num_threads`).
             Default on the CPU: half the cores this process may use, at least 1 (`stage_threads`),
             so the stages never share a core and batch-1 generation, hundreds of small parallel
-            regions a frame, never waits at a barrier for a thread that is not running.
+            regions a frame, never waits at a barrier for a thread that is not running. One
+            exception: a stream's first prefill, while the engine runs nothing else, takes both
+            stages' threads (its vocoder has nothing to decode yet; docs/design.md).
         """
         cpu.enabled()  # a KAZEIA_ISA that cannot be honoured fails here, naming itself
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
