@@ -32,7 +32,7 @@ import torch
 from .. import cpu
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c", "int4.c", "stack.c"))
-HEADERS = (Path(__file__).with_name("dtypes.h"),)  # included by the sources: part of the build key
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtypes.h", "jobs.h"))  # included: in the build key
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
 # target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")

@@ -28,10 +28,11 @@
    a prompt's may split its weight rows over more (int4_gemm, `cpu.team`). */
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "jobs.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -282,7 +283,7 @@ static void *int4_job_run(void *arg) {
     return NULL;
 }
 
-enum { MAX_THREADS = 16 };
+enum { MAX_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
 
 /* y (m x rows) = x (m x cols) @ W.T [+ bias]; W as described above: codes qw (rows x cols/2
    bytes), steps gs (rows x cols/32, uint8), offsets gn (rows x cols/32, int8), row factors rf
@@ -307,19 +308,10 @@ int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
     if (threads > rows) threads = (int)rows;
     if (threads < 1) threads = 1;
     struct int4_job jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct int4_job){qw, gs, gn, p, rf, t, sums, bias, y, rows, cols, m,
                                     rows * i / threads, rows * (i + 1) / threads};
-    for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, int4_job_run, &jobs[i]) == 0;
-    int4_job_run(&jobs[0]);
-    for (int i = 1; i < threads; i++) {
-        if (started[i])
-            pthread_join(ids[i], NULL);
-        else
-            int4_job_run(&jobs[i]); /* no thread to be had: its share here */
-    }
+    run_jobs(int4_job_run, jobs, sizeof jobs[0], threads);
     free(p);
     free(t);
     return 0;

@@ -12,8 +12,9 @@
    Written so the compiler vectorizes it (fmaf, no branches in the common path). */
 
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
+
+#include "jobs.h"
 
 static inline float sin_squared(float v) {
     const float inv_pi = 0.318309886183790671538f;
@@ -66,7 +67,7 @@ static void *snake_job_run(void *arg) {
     return NULL;
 }
 
-enum { MAX_THREADS = 64, MIN_VALUES_PER_THREAD = 32768 };
+enum { MAX_THREADS = MAX_JOBS, MIN_VALUES_PER_THREAD = 32768 };
 
 /* Time-major activations: x and y hold `batch` blocks of `length` positions of `channels` values
    (contiguous within a block); blocks start x_batch_stride / y_batch_stride floats apart (y may be
@@ -88,19 +89,10 @@ int snake_beta(const float *x, float *y, const float *log_alpha, const float *lo
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads < 1) threads = 1;
     struct snake_job jobs[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct snake_job){x, factors, factors + channels, y, rows * i / threads, rows * (i + 1) / threads,
                                      length, channels, x_batch_stride, y_batch_stride};
-    for (int i = 1; i < threads; i++) started[i] = pthread_create(&ids[i], NULL, snake_job_run, &jobs[i]) == 0;
-    snake_job_run(&jobs[0]);
-    for (int i = 1; i < threads; i++) {
-        if (started[i])
-            pthread_join(ids[i], NULL);
-        else
-            snake_job_run(&jobs[i]); /* no thread to be had: do its share here */
-    }
+    run_jobs(snake_job_run, jobs, sizeof jobs[0], threads);
     free(factors);
     return 0;
 }
