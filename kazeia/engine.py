@@ -129,8 +129,9 @@ class Engine:
             Default on the CPU: half the cores this process may use, at least 1 (`stage_threads`),
             so the stages never share a core and batch-1 generation, hundreds of small parallel
             regions a frame, never waits at a barrier for a thread that is not running. One
-            exception: a stream's first prefill, while the engine runs nothing else, takes both
-            stages' threads (its vocoder has nothing to decode yet; docs/design.md).
+            exception: a request's first prefill, while the engine runs nothing else (no other
+            request, no other open stream), takes both stages' threads (its vocoder has nothing
+            to decode yet; docs/design.md).
         """
         cpu.enabled()  # a KAZEIA_ISA that cannot be honoured fails here, naming itself
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
@@ -355,13 +356,12 @@ class Engine:
         state = None if ref is None else self._priming.state(ref)
         if scheduler is not None and scheduler.engine is not self:
             raise ValueError("the scheduler belongs to another engine")
+        if scheduler is not None:
+            frames = scheduler.source(request, should_stop)  # SchedulerBusy here: nothing to undo
         others = self._running.enter()  # until the stream closes: its vocoder works until then
-        first = self._alone if scheduler is None and not others else generate.SOLO
-        frames = (
-            (lambda stop: self._timeline(request, _either(stop, should_stop), first, generate.SOLO))
-            if scheduler is None
-            else scheduler.source(request, should_stop)
-        )
+        if scheduler is None:
+            first = self._alone if not others else generate.SOLO
+            frames = lambda stop: self._timeline(request, _either(stop, should_stop), first, generate.SOLO)  # noqa: E731
         try:
             return SpeechStream(
                 frames,

@@ -42,8 +42,8 @@ STEPS, OFFSETS = 255, 127  # the grids of a group's step (uint8) and offset (int
 # reach 7.04 % relative error on Gaussian weights, seventeen 7.02 %, one (min-max) 7.5 %.
 SHIFTS = tuple(-1.0 + 0.25 * i for i in range(9))
 CHUNK = 1 << 16  # rows x groups per quantization block (bounds the search's temporaries)
-# Activation rows from which a product splits its weight rows over a team's threads (a prompt's;
-# a decoding step's one or two rows stay on one thread: int4_gemm).
+# Activation rows from which `Int4Linear` splits a product's weight rows over a team's threads
+# (int4_gemm: a prompt's); a decoding step's one or two rows stay on one thread.
 SPLIT_MIN_ROWS = 8
 
 

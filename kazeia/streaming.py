@@ -185,8 +185,8 @@ class SpeechStream:
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
         `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
         `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`.
-        `on_close`: called once, when the stream is closed (at its end, by `close`, or collected)."""
-        self._on_close = on_close
+        `on_close`: called once, when the stream is closed (at its end, by `close`, or collected);
+        not when this constructor fails (its caller undoes what it did for the stream then)."""
         self._live = live
         self._speed = speed
         self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
@@ -210,6 +210,7 @@ class SpeechStream:
         args = (make_frames, self._queue, self._stop, self._progress)
         self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
+        self._on_close = on_close  # last: a stream that failed to start is never closed
 
     @property
     def finish_reason(self) -> str | None:

@@ -82,13 +82,14 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     assert torch.equal(linear(x[2:4]), together[2:4])
 
 
-@pytest.mark.parametrize("threads", [2, 3, 500])
-def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads):
+@pytest.mark.parametrize("threads, outputs", [(2, 200), (3, 200), (500, 200), (12, 7)])
+def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads, outputs):
     """A product of many rows (a prompt's) in a `cpu.team` splits its weight rows over the team's
     threads (int4_gemm): every result is the one-thread result, bit for bit, for any split
-    (more threads than rows included); a decoding step's rows stay on one thread."""
+    (more threads than the kernel takes, or than weight rows, included); a decoding step's rows
+    stay on one thread."""
     gen = torch.Generator().manual_seed(2)
-    linear = Int4Linear.from_float(torch.randn(200, 512, generator=gen), torch.randn(200, generator=gen), LIB)
+    linear = Int4Linear.from_float(torch.randn(outputs, 512, generator=gen), torch.randn(outputs, generator=gen), LIB)
     x = torch.randn(int4.SPLIT_MIN_ROWS + 5, 512, generator=gen)
     alone = linear(x)
     with cpu.team(threads, openmp=False):

@@ -1,5 +1,6 @@
 """Streaming: any chunk schedule gives the offline codes and audio; closing stops the worker."""
 
+import gc
 import threading
 import time
 
@@ -10,8 +11,9 @@ from conftest import INT8
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kazeia import Engine, generate
+from kazeia import Engine, generate, streaming
 from kazeia.prompt import build_prompt
+from kazeia.scheduler import SchedulerBusy
 from kazeia.segment import LongTextOptions
 from kazeia.streaming import QUEUE_FRAMES, ChunkSchedule
 
@@ -190,7 +192,7 @@ def test_a_prompt_on_a_team_gives_the_same_state(tiny_checkpoints, dtype):
     part = request.parts[0]
     prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
     made = []
-    for threads in (None, 2):
+    for threads in (1, 2):  # explicit: torch's own count may already be 2 on a larger machine
         with torch.inference_mode():
             generator = torch.Generator().manual_seed(part.seed)
             state, codes = generate.prefill(engine.model, prompt, request.options, generator, threads,
@@ -209,7 +211,7 @@ def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monk
     team = engine._alone.prompt_threads  # None on a one-core machine: then nobody gets more
     seen: list[int | None] = []
     prefill = generate.prefill
-    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4]) or prefill(*a))
+    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
     options = {"voice": "ryan", "seed": 3, "max_new_tokens": 6}
     first = engine.stream(TEXT, **options)
     next(first)  # its prompt has run
@@ -225,3 +227,33 @@ def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monk
     # torch's parallel regions join the team, except where int4's own threaded products do the work
     if team is not None:
         assert engine._alone.openmp and not Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")._alone.openmp
+
+
+def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
+    """A stream the scheduler refuses (SchedulerBusy) or whose thread cannot start counts neither
+    in nor twice out: afterwards an engine with nothing open gives a first prompt its team again."""
+    engine = engines["0.6B-custom"]
+    team = engine._alone.prompt_threads
+    seen: list = []
+    prefill = generate.prefill
+    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
+    options = {"voice": "ryan", "seed": 3, "max_new_tokens": 4}
+    with engine.scheduler(max_batch=1, max_queue=0) as scheduler:
+        held = scheduler.stream(TEXT, **options)
+        next(held)
+        with pytest.raises(SchedulerBusy):
+            scheduler.stream(TEXT, **options)
+        held.close()
+
+    class Refused(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(streaming.threading, "Thread", Refused)
+    with pytest.raises(RuntimeError, match="start new thread"):
+        engine.stream(TEXT, **options)
+    monkeypatch.undo()
+    gc.collect()  # the half-made stream's __del__ must not count it out a second time
+    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
+    list(engine.stream(TEXT, **options))
+    assert seen == ["scheduled", team]

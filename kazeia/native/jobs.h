@@ -15,10 +15,11 @@ static inline void run_jobs(void *(*run)(void *), void *jobs, size_t size, int n
     pthread_t ids[MAX_JOBS];
     int started[MAX_JOBS] = {0};
     char *job = jobs;
-    if (n > MAX_JOBS) n = MAX_JOBS;
-    for (int i = 1; i < n; i++) started[i] = pthread_create(&ids[i], NULL, run, job + (size_t)i * size) == 0;
+    const int threaded = n < MAX_JOBS ? n : MAX_JOBS; /* jobs past MAX_JOBS run here too */
+    for (int i = 1; i < threaded; i++) started[i] = pthread_create(&ids[i], NULL, run, job + (size_t)i * size) == 0;
     run(job);
-    for (int i = 1; i < n; i++) {
+    for (int i = threaded; i < n; i++) run(job + (size_t)i * size);
+    for (int i = 1; i < threaded; i++) {
         if (started[i])
             pthread_join(ids[i], NULL);
         else
