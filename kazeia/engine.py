@@ -91,13 +91,13 @@ class Engine:
         self.rules = Rules(cfg, tokenizer, defaults, voice_model, vocoder.cfg.codebook_size)
         self._priming = Priming(vocoder)  # ICL voices: vocoder states after their reference frames
         # A request's first prompt, while the engine has no other request or open stream, runs on
-        # every core of the two stages: its vocoder has nothing to decode yet (Steps.prompt_threads).
+        # every core of the two stages: its vocoder has nothing to decode yet (_FirstPrefill).
         self._running = _Running()
         threads = torch.get_num_threads()
         prompt_threads = min(cpu.usable_cpus(), 2 * threads)
         alone = device.type == "cpu" and prompt_threads > threads
         int4 = any(isinstance(m, Int4Linear) for m in model.talker.modules())  # its own threads
-        self._alone = generate.Steps(prompt_threads, openmp=not int4) if alone else generate.SOLO
+        self._alone = _FirstPrefill(self._running, prompt_threads, not int4) if alone else generate.SOLO
 
     @classmethod
     def load(
@@ -358,10 +358,9 @@ class Engine:
             raise ValueError("the scheduler belongs to another engine")
         if scheduler is not None:
             frames = scheduler.source(request, should_stop)  # SchedulerBusy here: nothing to undo
-        others = self._running.enter()  # until the stream closes: its vocoder works until then
+        self._running.enter()  # until the stream closes: its vocoder works until then
         if scheduler is None:
-            first = self._alone if not others else generate.SOLO
-            frames = lambda stop: self._timeline(request, _either(stop, should_stop), first, generate.SOLO)  # noqa: E731
+            frames = lambda stop: self._timeline(request, _either(stop, should_stop), self._alone, generate.SOLO)  # noqa: E731
         try:
             return SpeechStream(
                 frames,
@@ -430,9 +429,9 @@ class Engine:
         `carry_context` the previous segment's text and frames as in-context reference (a segment the
         guard found looping is not continued). A segment the caller stops ends the utterance.
         `steps`: who runs the frame steps (generate.Steps; a scheduler's batch several requests)."""
-        others = self._running.enter()
+        self._running.enter()
         try:
-            first = self._alone if steps is generate.SOLO and not others else steps  # the first segment's
+            first = self._alone if steps is generate.SOLO else steps  # the first segment's
             yield from self._timeline(request, should_stop, first, steps)
         finally:
             self._running.leave()
@@ -521,20 +520,37 @@ def stage_threads() -> int:
 
 
 class _Running:
-    """How many timelines and open streams an engine has: `enter` counts one in and returns how
-    many others there were, `leave` counts it out."""
+    """How many timelines and open streams an engine has (a scheduler's stream counts as both):
+    `enter` counts one in, `leave` one out."""
 
     def __init__(self) -> None:
         self._lock, self._count = threading.Lock(), 0
 
-    def enter(self) -> int:
+    def enter(self) -> None:
         with self._lock:
             self._count += 1
-            return self._count - 1
 
     def leave(self) -> None:
         with self._lock:
             self._count -= 1
+
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+
+class _FirstPrefill(generate.Steps):
+    """The steps of a request's first segment outside a scheduler: its prefill on every core of the
+    two stages (`prompt_threads`, a `cpu.team`) if, when it runs, the engine has nothing open or
+    running but this request (live text may wait long for its first words); else on torch's."""
+
+    def __init__(self, running: _Running, prompt_threads: int, openmp: bool):
+        super().__init__(prompt_threads, openmp)
+        self.running = running
+
+    def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
+        threads = self.prompt_threads if self.running.count() == 1 else None
+        return generate.prefill(model, prompt, opts, generator, threads, self.openmp)
 
 
 def _kept(frames: Generator[torch.Tensor, None, str], into: list[torch.Tensor]) -> Generator[torch.Tensor, None, str]:

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kazeia import Engine, generate, streaming
+from kazeia.live import TextFeed
 from kazeia.prompt import build_prompt
 from kazeia.scheduler import SchedulerBusy
 from kazeia.segment import LongTextOptions
@@ -257,3 +258,23 @@ def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
     monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
     list(engine.stream(TEXT, **options))
     assert seen == ["scheduled", team]
+
+
+def test_live_text_decides_its_team_when_its_prompt_runs(engines, monkeypatch):
+    """A live-text stream waits for its words before its prompt: whether that prompt gets the team
+    is decided then, not when the stream opened. Opened alone, its words arriving while another
+    stream is open: no team; the other stream, opened beside it, none either."""
+    engine = engines["0.6B-custom"]
+    seen: list = []
+    prefill = generate.prefill
+    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4]) or prefill(*a))
+    options = {"voice": "ryan", "seed": 3, "max_new_tokens": 4}
+    feed = TextFeed()
+    live = engine.stream(feed, **options)  # alone when opened; its prompt waits for words
+    with engine.stream(TEXT, **options) as other:
+        next(other)
+        feed.append("Words that come while another stream plays. ")
+        feed.end()
+        next(live)
+    list(live)
+    assert seen == [None, None]
