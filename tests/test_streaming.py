@@ -240,7 +240,8 @@ def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
     monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
     options = {"voice": "ryan", "seed": 3, "max_new_tokens": 4}
     with engine.scheduler(max_batch=1, max_queue=0) as scheduler:
-        held = scheduler.stream(TEXT, **options)
+        # long enough to hold its place: its generation waits on its bounded queue of frames
+        held = scheduler.stream(TEXT, **{**options, "max_new_tokens": 4 * QUEUE_FRAMES, "ignore_eos": True})
         next(held)
         with pytest.raises(SchedulerBusy):
             scheduler.stream(TEXT, **options)
