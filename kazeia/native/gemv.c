@@ -99,6 +99,19 @@ enum { LANES = 8 };
 #define VECTORS 0
 #endif
 
+/* Bytes ahead of the weights being read that are asked for early, one request a 64-byte line (the
+   next rows: rows follow each other in memory). On a 2-vCPU Sapphire Rapids VM, where one core
+   streams only ~12 GB/s, a 60-matrix harness read 7-8.5 GB/s without it and 9.4-10.6 with it
+   (AVX-512 and AVX2 builds alike; 1-2 KB ahead gained less, 8 KB no more). The sums are unchanged. */
+#define PREFETCH 3072
+static inline void ask_ahead(const void *p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+    _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+#else
+    (void)p;
+#endif
+}
+
 /* One weight row (cols values of dt, at w) against the m activation rows xf (float32, cols each):
    sums[i]. Four independent accumulators per activation row over consecutive vectors (one
    sequential stream of weights: what the prefetchers and the load ports like best), then single
@@ -107,10 +120,12 @@ static void row_dot(const void *w, int dt, const float *xf, int m, long cols, fl
     long c = 0;
 #if VECTORS
     vec a[2][4];
+    const long width = dt == F32 ? 4 : 2;
     for (int i = 0; i < 2; i++)
         for (int u = 0; u < 4; u++) a[i][u] = vzero();
     for (; c + 4 * LANES <= cols; c += 4 * LANES)
         for (int u = 0; u < 4; u++) {
+            if ((u * LANES * width) % 64 == 0) ask_ahead((const char *)w + (c + u * LANES) * width);
             vec wv = vload(w, c + u * LANES, dt);
             a[0][u] = vfma(wv, vload(xf, c + u * LANES, F32), a[0][u]);
             if (m > 1) a[1][u] = vfma(wv, vload(xf + cols, c + u * LANES, F32), a[1][u]);
@@ -150,6 +165,7 @@ static void row_dot_bf16(const uint16_t *w, const uint16_t *x, int m, long cols,
     long c = 0;
     for (; c + 128 <= cols; c += 128)
         for (int u = 0; u < 4; u++) {
+            ask_ahead(w + c + 32 * u);
             __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w + c + 32 * u));
             a[0][u] = _mm512_dpbf16_ps(a[0][u], wv, (__m512bh)_mm512_loadu_si512((const void *)(x + c + 32 * u)));
             if (m > 1)
