@@ -484,10 +484,10 @@ def test_a_voice_design_checkpoint_speaks_the_voice_its_instruct_describes(engin
 
 def test_idle_and_surplus_connections_are_closed_with_an_error(engines):
     async def connections(live) -> tuple[Error, Event | None, Error, Event | None]:
+        started = time.perf_counter()  # before the first connection: its idle time runs from there on
         async with live.client() as first, live.client() as second:
             surplus = Error.from_event((await read_until(second, "error"))[-1])  # max_connections 1
             after_surplus = await asyncio.wait_for(second.read_event(), 10)
-            started = time.perf_counter()
             idle = Error.from_event((await read_until(first, "error"))[-1])  # idle_s 0.3: nothing sent
             assert 0.3 <= time.perf_counter() - started < 5
             return surplus, after_surplus, idle, await asyncio.wait_for(first.read_event(), 10)
