@@ -372,6 +372,7 @@ class Engine:
                 request.live,
                 request.speed,
                 on_close=self._running.leave,
+                lanes=None if scheduler is None else scheduler.lanes,
             )
         except BaseException:  # e.g. no thread could be started: the scheduler's place is given back
             self._running.leave()
@@ -497,13 +498,18 @@ class Engine:
         return prompt
 
     def scheduler(
-        self, max_batch: int = 4, max_queue: int = 16, on_step: Callable[[int], None] | None = None
+        self,
+        max_batch: int = 4,
+        max_queue: int = 16,
+        on_step: Callable[[int], None] | None = None,
+        vocoder_lanes: int | None = None,
     ) -> Scheduler:
         """A scheduler generating up to `max_batch` streams of this engine together (one batched
         frame step for all: kazeia/scheduler.py), `max_queue` more waiting first come first served.
         Each stream's codes and audio do not depend on the others. Close it when done. `on_step`:
-        called with each step's number of streams."""
-        return Scheduler(self, max_batch, max_queue, on_step)
+        called with each step's number of streams. `vocoder_lanes`: how many of its streams'
+        vocoders decode at once (None: one fewer than the usable cores, at least one)."""
+        return Scheduler(self, max_batch, max_queue, on_step, vocoder_lanes)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:

@@ -15,22 +15,32 @@ dropped at the next frame boundary (generate.StepCancelled), so cancellation tak
 frame. Batch invariance (batch.py) makes every stream's codes and audio independent of which
 others share its steps, when they join and when they leave.
 
+The streams' vocoders take turns (`VocoderLanes`): on few cores, every stream decoding at once
+would take the CPU from the scheduler's thread, the one all of them wait for; at most `lanes`
+decodes run at once (by default one core fewer than the process may use, at least one), a
+stream's first chunk before any other (its listener hears nothing yet), then the chunk whose
+stream has the least audio ahead of its listener. The turns change when audio is made, never
+which: each stream's chunks and audio are those it would have alone.
+
 Non-goals: priorities, preemption, and batching prompts (each prefill runs alone, between steps).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from . import generate
+from . import cpu, generate
 from .batch import Batch
 from .generate import Decoding, StepCancelled
 from .model import TTSModel
@@ -71,6 +81,49 @@ class SchedulerStats:
         return sum(k * v for k, v in self.batch_sizes.items()) / self.steps if self.steps else 0.0
 
 
+class VocoderLanes:
+    """At most `lanes` vocoder decodes at once; the others wait in order of (first chunk or not,
+    deadline), the deadline being when the stream's listener runs out of audio (module docstring)."""
+
+    def __init__(self, lanes: int):
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"vocoder_lanes must be an integer >= 1, got {lanes!r}")
+        self.lanes = lanes
+        self._free = lanes
+        self._waiting: list[tuple[int, float, int]] = []  # a heap of (0 for a first chunk else 1, deadline, ticket)
+        self._tickets = itertools.count()
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def turn(self, first: bool, deadline: float, stopped: Callable[[], bool]) -> Iterator[bool]:
+        """Wait for a lane and hold it in the block; yields False (holding none) when `stopped()`
+        becomes true while waiting (polled), so a closed stream's consumer does not wait its turn."""
+        entry, got = (0 if first else 1, deadline, next(self._tickets)), False
+        with self._cond:
+            heapq.heappush(self._waiting, entry)
+            while not got:
+                if self._free and self._waiting[0] is entry:
+                    heapq.heappop(self._waiting)
+                    self._free -= 1
+                    got = True
+                elif stopped():
+                    self._waiting.remove(entry)
+                    heapq.heapify(self._waiting)
+                    break
+                else:
+                    self._cond.wait(0.05)
+            self._cond.notify_all()  # the next in line may go now (a second free lane, or this one's place)
+        if not got:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            with self._cond:
+                self._free += 1
+                self._cond.notify_all()
+
+
 class _Work:
     """One step a stream waits for: its prefill or its next frame."""
 
@@ -106,8 +159,8 @@ class _ScheduledSteps(generate.Steps):
     def decode(self, model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
         return self.scheduler._wait(_Work(self.ticket, decode=(state, text)))
 
-    def exclusive(self) -> threading.Lock:
-        return self.scheduler._model_lock
+    def exclusive(self) -> AbstractContextManager:
+        return self.scheduler._exclusive()
 
 
 class Scheduler:
@@ -115,9 +168,17 @@ class Scheduler:
     call `close()`; `stream` takes `Engine.stream`'s arguments and returns its kind of stream."""
 
     def __init__(
-        self, engine: Engine, max_batch: int = 4, max_queue: int = 16, on_step: Callable[[int], None] | None = None
+        self,
+        engine: Engine,
+        max_batch: int = 4,
+        max_queue: int = 16,
+        on_step: Callable[[int], None] | None = None,
+        vocoder_lanes: int | None = None,
     ):
-        """`on_step(size)`: called after each batched step with its number of streams (metrics)."""
+        """`on_step(size)`: called after each batched step with its number of streams (metrics).
+        `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); None: one fewer than the
+        cores this process may use, at least one."""
+        self.lanes = VocoderLanes(max(1, cpu.usable_cpus() - 1) if vocoder_lanes is None else vocoder_lanes)
         batch = Batch(engine.model)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= batch.max_batch:
             raise ValueError(f"max_batch must be an integer from 1 to {batch.max_batch}, got {max_batch!r}")
@@ -127,6 +188,7 @@ class Scheduler:
         self.max_batch, self.max_queue, self.on_step = max_batch, max_queue, on_step
         self._lock = threading.Condition()
         self._model_lock = threading.Lock()  # held by whoever runs the model (generate.Steps.exclusive)
+        self._urgent = 0  # streams waiting for the model, or holding it, for their own work (`_exclusive`)
         self._queue: deque[_Ticket] = deque()  # waiting for admission, first come first
         self._active = 0
         self._pending: list[_Work] = []
@@ -239,6 +301,20 @@ class Scheduler:
             raise work.error
         return work.result
 
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The model for a stream's own work (its prompt, live text's embeddings): before the next
+        step, so that a joining stream's prefill can be run at the coming frame boundary."""
+        with self._lock:
+            self._urgent += 1
+        try:
+            with self._model_lock:
+                yield
+        finally:
+            with self._lock:
+                self._urgent -= 1
+                self._lock.notify_all()
+
     def _run(self) -> None:
         previous: set[_Ticket] = set()  # the streams that got a frame from the last step
         while True:
@@ -256,6 +332,15 @@ class Scheduler:
                     if left <= 0:
                         break
                     self._lock.wait(left)
+                if self._urgent:  # a stream's own work goes first (`_exclusive`), then its prefill may follow
+                    while self._urgent and not self._closed:
+                        self._lock.wait()
+                    deadline = time.perf_counter() + GRACE_S
+                    while not any(w.prefill is not None for w in self._pending) and not self._closed:
+                        left = deadline - time.perf_counter()
+                        if left <= 0:
+                            break
+                        self._lock.wait(left)
                 prefills = [w for w in self._pending if w.prefill is not None]
                 decodes = [w for w in self._pending if w.decode is not None]
                 self._pending = prefills[1:]

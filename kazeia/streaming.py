@@ -19,7 +19,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +29,9 @@ import torch
 from .runaway import CANCELLED, overall
 from .speed import TimeStretch, output_length
 from .vocoder import Vocoder, VocoderState
+
+if TYPE_CHECKING:
+    from .scheduler import VocoderLanes
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
 _DONE = object()
@@ -181,12 +186,14 @@ class SpeechStream:
         live=None,
         speed: float = 1.0,
         on_close: Callable[[], None] | None = None,
+        lanes: VocoderLanes | None = None,
     ):
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
         `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
         `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`.
         `on_close`: called once, when the stream is closed (at its end, by `close`, or collected);
-        not when this constructor fails (its caller undoes what it did for the stream then)."""
+        not when this constructor fails (its caller undoes what it did for the stream then).
+        `lanes`: the scheduler's, when its streams' vocoders take turns (kazeia/scheduler.py)."""
         self._live = live
         self._speed = speed
         self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
@@ -210,6 +217,7 @@ class SpeechStream:
         args = (make_frames, self._queue, self._stop, self._progress)
         self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
+        self._lanes = lanes
         self._on_close = on_close  # last: a stream that failed to start is never closed
 
     @property
@@ -279,7 +287,9 @@ class SpeechStream:
         frames, self._pending = self._pending, []
         if frames:
             codes = torch.stack(frames)  # (n, 16)
-            with torch.inference_mode():
+            with self._turn() as turn, torch.inference_mode():
+                if not turn:  # closed while waiting for the vocoder
+                    raise StopIteration
                 audio = self._vocoder.decode_chunk(codes, self._state)  # (n * 1920,)
             samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
             self._codes.append(codes)
@@ -307,6 +317,15 @@ class SpeechStream:
         if is_last:
             self._finish()
         return chunk
+
+    def _turn(self) -> AbstractContextManager[bool]:
+        """The vocoder's turn for the next chunk: at once, or a lane of the scheduler's when its
+        listener would run out of audio (played from the first chunk) soonest."""
+        if self._lanes is None:
+            return nullcontext(True)
+        first = self._ttfb is None
+        deadline = self._started if first else self._first_audio_at + self._samples / self._vocoder.cfg.sample_rate
+        return self._lanes.turn(first, deadline, self._stop.is_set)
 
     def _finish(self) -> None:
         wall = time.perf_counter() - self._started

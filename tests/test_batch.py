@@ -4,6 +4,7 @@ codes and audio equal its solo run bit for bit, whatever joins, leaves or pauses
 import asyncio
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -327,6 +328,145 @@ def test_closing_the_scheduler_ends_its_streams_with_an_error(typed):
             pass
     with pytest.raises(SchedulerClosed):
         scheduler.stream(TEXTS[0], voice="serena")
+
+
+def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest_deadline():
+    from kazeia.scheduler import VocoderLanes
+
+    for bad in (0, -1, True, 1.5, None):
+        with pytest.raises(ValueError, match="vocoder_lanes"):
+            VocoderLanes(bad)
+    lanes, order, running, most = VocoderLanes(1), [], [0], [0]
+    lock = threading.Lock()
+
+    def decode(name: str, first: bool, deadline: float) -> None:
+        with lanes.turn(first, deadline, lambda: False) as got:
+            assert got
+            with lock:
+                order.append(name)
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.01)
+            with lock:
+                running[0] -= 1
+
+    with lanes.turn(False, 0.0, lambda: False):  # the lane is taken: the others queue in any order
+        waiters = [
+            threading.Thread(target=decode, args=args)
+            for args in (("late", False, 5.0), ("soon", False, 1.0), ("first", True, 9.0), ("later", False, 7.0))
+        ]
+        for waiter in waiters:
+            waiter.start()
+            time.sleep(0.02)  # each has queued before the next
+    for waiter in waiters:
+        waiter.join(5)
+    assert order == ["first", "soon", "late", "later"] and most[0] == 1
+    two, inside = VocoderLanes(2), threading.Barrier(2, timeout=5)
+
+    def both() -> None:
+        with two.turn(False, 0.0, lambda: False):
+            inside.wait()  # both hold a lane at once, or this times out
+
+    pair = [threading.Thread(target=both) for _ in range(2)]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join(5)
+    assert not inside.broken
+
+
+def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
+    from kazeia.scheduler import VocoderLanes
+
+    lanes, stop, results = VocoderLanes(1), threading.Event(), []
+
+    def wait(first: bool, stopped) -> None:
+        with lanes.turn(first, 0.0, stopped) as got:
+            results.append(got)
+
+    with lanes.turn(False, 0.0, lambda: False):
+        quitter = threading.Thread(target=wait, args=(True, stop.is_set))  # first in line, then stopped
+        quitter.start()
+        time.sleep(0.05)
+        stop.set()
+        quitter.join(5)
+        assert results == [False]
+    wait(False, lambda: False)  # its place is not held: the next one gets the lane
+    assert results == [False, True]
+
+
+def test_the_scheduler_runs_one_decode_at_a_time_with_one_lane(typed, monkeypatch):
+    engine = typed("float32")
+    vocoder, running, most = engine.vocoder, [0], [0]
+    decode, lock = vocoder.decode_chunk, threading.Lock()
+
+    def counted(codes, state):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.005)  # widens any overlap
+            return decode(codes, state)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(vocoder, "decode_chunk", counted)
+    specs = [(TEXTS[i], 20 + 3 * i, 40 + i) for i in range(3)]
+    with engine.scheduler(max_batch=3, vocoder_lanes=1) as scheduler:
+        streams = [
+            scheduler.stream(text, voice="serena", seed=seed, max_new_tokens=n, ignore_eos=True)
+            for text, n, seed in specs
+        ]
+        results = [None] * 3
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _speak(streams[i]))) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    monkeypatch.undo()
+    assert most[0] == 1
+    for (text, n, seed), (audio, codes) in zip(specs, results, strict=True):
+        solo = _speak(engine.stream(text, voice="serena", seed=seed, max_new_tokens=n, ignore_eos=True))
+        assert np.array_equal(codes, solo[1]) and np.array_equal(audio, solo[0])
+
+
+def test_a_joining_streams_prefill_runs_at_the_next_frame_boundary(typed, monkeypatch):
+    import kazeia.scheduler as scheduling
+
+    monkeypatch.setattr(scheduling, "GRACE_S", 2.0)  # a worker that submits late still makes it
+    engine = typed("float32")
+    events: list[str] = []
+    with engine.scheduler(max_batch=2) as scheduler:
+        exclusive, prefill, step = scheduler._exclusive, scheduler._prefill, scheduler.batch.decode_frames
+
+        @contextmanager
+        def watched_prompt():
+            with exclusive():
+                yield
+            events.append("prompt")
+
+        def watched_prefill(work):
+            events.append("prefill")
+            prefill(work)
+
+        def watched_step(states, texts):
+            events.append("step")
+            return step(states, texts)
+
+        monkeypatch.setattr(scheduler, "_exclusive", watched_prompt)
+        monkeypatch.setattr(scheduler, "_prefill", watched_prefill)
+        monkeypatch.setattr(scheduler.batch, "decode_frames", watched_step)
+        running = scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=400, ignore_eos=True)
+        chunks = iter(running)
+        next(chunks)
+        while events.count("step") < 3:  # the first stream steps on its own
+            next(chunks)
+        joining = scheduler.stream(TEXTS[1], voice="ryan", seed=2, max_new_tokens=6, ignore_eos=True)
+        _speak(joining)
+        running.close()
+    joined = len(events) - 1 - events[::-1].index("prompt")  # the joining stream's prompt
+    assert events[joined + 1] == "prefill", events[joined - 2 : joined + 3]
 
 
 pytest.importorskip("fastapi")
