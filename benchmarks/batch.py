@@ -2,14 +2,17 @@
 seconds per wall second, per-stream RTF, TTFB p50/p95 and continuity, by concurrency.
 
     python benchmarks/batch.py [--size 0.6B] [--dtypes int8,bfloat16] [--concurrency 1,2,4]
-                               [--requests 8] [--frames 15-40] [--gap 0.3] [--max-chunk-frames N]
+                               [--requests 8] [--frames 15-40] [--gap 0.3] [--ramp S]
+                               [--max-chunk-frames N] [--vocoder-lanes 1,2] [--vocoder-dtype D]
                                [--json out.json]
 
-At concurrency c, c clients each send requests one after the other, the first after a random
-delay and each next one a random (exponential, mean `--gap` s) pause after the previous ended;
+At concurrency c, c clients each send requests one after the other, the first at a random time
+within the first `--ramp` s (default `--gap`: nearly at once, a burst the first prefills queue
+behind) and each next one a random (exponential, mean `--gap` s) pause after the previous ended;
 each request asks for a random number of frames in `--frames` (greedy, EOS suppressed, so exactly
 that many) and takes its chunks as fast as they come. "solo" is today's path: the engine's own
-stream, one client, no scheduler. TTFB counts from the call (queue wait included). A stream is
+stream, one client, no scheduler. `--vocoder-lanes`: the scheduler's (kazeia/scheduler.py), each
+value a row of its own (default: the scheduler's default). TTFB counts from the call (queue wait included). A stream is
 continuous when, played in real time from its first chunk after a 160 ms buffer, it never runs dry.
 """
 
@@ -50,18 +53,27 @@ def one_stream(engine: Engine, scheduler, frames: int, seed: int, catch_up: int 
 
 
 def run_level(
-    engine: Engine, concurrency: int | str, requests: int, frames: tuple[int, int], gap: float, catch_up: int | None
+    engine: Engine,
+    concurrency: int | str,
+    requests: int,
+    frames: tuple[int, int],
+    gap: float,
+    catch_up: int | None,
+    ramp: float | None = None,
+    lanes: int | None = None,
 ) -> dict:
     rng = random.Random(17)
     clients = 1 if concurrency == "solo" else int(concurrency)
     plan = [[rng.randint(*frames) for _ in range(requests // clients or 1)] for _ in range(clients)]
     results: list[dict] = []
     lock = threading.Lock()
-    scheduler = None if concurrency == "solo" else engine.scheduler(max_batch=clients, max_queue=clients)
+    scheduler = None
+    if concurrency != "solo":
+        scheduler = engine.scheduler(max_batch=clients, max_queue=clients, vocoder_lanes=lanes)
 
     def client(index: int) -> None:
         local = random.Random(index)
-        time.sleep(local.uniform(0, gap))
+        time.sleep(local.uniform(0, gap if ramp is None else ramp))
         for k, n in enumerate(plan[index]):
             got = one_stream(engine, scheduler, n, seed=100 * index + k, catch_up=catch_up)
             with lock:
@@ -82,6 +94,7 @@ def run_level(
     rtf = np.array([r["wall_s"] / r["audio_s"] for r in results])
     return {
         "concurrency": concurrency,
+        "vocoder_lanes": None if scheduler is None else scheduler.lanes.lanes,
         "streams": len(results),
         "audio_s": sum(r["audio_s"] for r in results),
         "wall_s": wall,
@@ -103,6 +116,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests per level (split among the clients)")
     parser.add_argument("--frames", default="15-40", help="frames per request, a range MIN-MAX")
     parser.add_argument("--gap", type=float, default=0.3, help="mean pause between a client's requests (s)")
+    parser.add_argument("--vocoder-dtype", default="float32", help="float32 (exact audio) or bfloat16")
+    parser.add_argument("--ramp", type=float, help="clients start within this many seconds (default: --gap)")
+    parser.add_argument("--vocoder-lanes", default="", help="vocoder lanes, e.g. 1,2 (default: the scheduler's)")
     parser.add_argument(
         "--max-chunk-frames", type=int, help="let late streams catch up in chunks of up to this many frames"
     )
@@ -112,15 +128,18 @@ def main() -> None:
     frames = (int(low), int(high or low))
     report: dict = {"args": vars(args), "runs": []}
     for dtype in args.dtypes.split(","):
-        engine = Engine.load(prepared_checkpoint(args.size, dtype), dtype=dtype)
+        engine = Engine.load(prepared_checkpoint(args.size, dtype), dtype=dtype, vocoder_dtype=args.vocoder_dtype)
         if "machine" not in report:  # after loading: the engine sets the thread count
             report["machine"] = machine()
             print(json.dumps(report["machine"]))
         one_stream(engine, None, 3, seed=0)  # warm-up: the native library, the first allocations
+        lanes = [int(n) for n in args.vocoder_lanes.split(",") if n] or [None]
         for level in args.concurrency.split(","):
-            row = {"dtype": dtype, **run_level(engine, level, args.requests, frames, args.gap, args.max_chunk_frames)}
-            report["runs"].append(row)
-            print(json.dumps(row), flush=True)
+            for lane in [None] if level == "solo" else lanes:
+                got = run_level(engine, level, args.requests, frames, args.gap, args.max_chunk_frames, args.ramp, lane)
+                row = {"dtype": dtype, "vocoder_dtype": args.vocoder_dtype, **got}
+                report["runs"].append(row)
+                print(json.dumps(row), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

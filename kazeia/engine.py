@@ -508,7 +508,7 @@ class Engine:
         frame step for all: kazeia/scheduler.py), `max_queue` more waiting first come first served.
         Each stream's codes and audio do not depend on the others. Close it when done. `on_step`:
         called with each step's number of streams. `vocoder_lanes`: how many of its streams'
-        vocoders decode at once (None: one fewer than the usable cores, at least one)."""
+        vocoders decode at once (None: as many as fit beside generation's threads, at least one)."""
         return Scheduler(self, max_batch, max_queue, on_step, vocoder_lanes)
 
     @torch.inference_mode()

@@ -16,11 +16,12 @@ frame. Batch invariance (batch.py) makes every stream's codes and audio independ
 others share its steps, when they join and when they leave.
 
 The streams' vocoders take turns (`VocoderLanes`): on few cores, every stream decoding at once
-would take the CPU from the scheduler's thread, the one all of them wait for; at most `lanes`
-decodes run at once (by default one core fewer than the process may use, at least one), a
-stream's first chunk before any other (its listener hears nothing yet), then the chunk whose
-stream has the least audio ahead of its listener. The turns change when audio is made, never
-which: each stream's chunks and audio are those it would have alone.
+would take the CPU from the scheduler's thread, the one all of them wait for. At most `lanes`
+decodes run at once (by default as many as fit beside generation's threads: one where each stage
+has half the cores, as `Engine.load` sets by default); a stream's first chunk goes before any
+other (its listener hears nothing yet), then the chunk whose stream has the least audio ahead of
+its listener. The turns change when audio is made, never which: each stream's chunks and audio
+are those it would have alone.
 
 Non-goals: priorities, preemption, and batching prompts (each prefill runs alone, between steps).
 """
@@ -176,9 +177,13 @@ class Scheduler:
         vocoder_lanes: int | None = None,
     ):
         """`on_step(size)`: called after each batched step with its number of streams (metrics).
-        `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); None: one fewer than the
-        cores this process may use, at least one."""
-        self.lanes = VocoderLanes(max(1, cpu.usable_cpus() - 1) if vocoder_lanes is None else vocoder_lanes)
+        `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); None: as many as fit
+        beside generation's threads (torch's thread count, which each decode also takes) on the
+        cores this process may use, at least one: one where each stage has half the cores."""
+        if vocoder_lanes is None:  # the cores that generation's threads leave, each decode taking as many
+            threads = torch.get_num_threads()
+            vocoder_lanes = max(1, (cpu.usable_cpus() - threads) // threads)
+        self.lanes = VocoderLanes(vocoder_lanes)
         batch = Batch(engine.model)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= batch.max_batch:
             raise ValueError(f"max_batch must be an integer from 1 to {batch.max_batch}, got {max_batch!r}")
