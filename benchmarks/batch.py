@@ -12,8 +12,9 @@ behind) and each next one a random (exponential, mean `--gap` s) pause after the
 each request asks for a random number of frames in `--frames` (greedy, EOS suppressed, so exactly
 that many) and takes its chunks as fast as they come. "solo" is today's path: the engine's own
 stream, one client, no scheduler. `--vocoder-lanes`: the scheduler's (kazeia/scheduler.py), each
-value a row of its own (default: the scheduler's default). TTFB counts from the call (queue wait included). A stream is
-continuous when, played in real time from its first chunk after a 160 ms buffer, it never runs dry.
+value a row of its own (default: the scheduler's default). TTFB counts from the call (queue wait
+included). A stream is continuous when, played in real time from its first chunk after a 160 ms
+buffer, it never runs dry. Levels may repeat (`solo,4,solo,4`), to alternate them within one run.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -324,34 +325,29 @@ class Scheduler:
         previous: set[_Ticket] = set()  # the streams that got a frame from the last step
         while True:
             with self._lock:
-                while not self._pending and not self._closed:
-                    self._lock.wait()
+                self._lock.wait_for(lambda: self._pending or self._closed)
                 if self._closed:
                     for work in self._pending:
                         work.finish(error=SchedulerClosed("the scheduler was closed"))
                     self._pending = []
                     return
-                deadline = time.perf_counter() + GRACE_S
-                while previous - {w.owner for w in self._pending} and not self._closed:
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        break
-                    self._lock.wait(left)
+                self._lock.wait_for(partial(self._resubmitted, previous), GRACE_S)
                 if self._urgent:  # a stream's own work goes first (`_exclusive`), then its prefill may follow
-                    while self._urgent and not self._closed:
-                        self._lock.wait()
-                    deadline = time.perf_counter() + GRACE_S
-                    while not any(w.prefill is not None for w in self._pending) and not self._closed:
-                        left = deadline - time.perf_counter()
-                        if left <= 0:
-                            break
-                        self._lock.wait(left)
+                    self._lock.wait_for(lambda: not self._urgent or self._closed)
+                    self._lock.wait_for(self._prefill_waiting, GRACE_S)
                 prefills = [w for w in self._pending if w.prefill is not None]
                 decodes = [w for w in self._pending if w.decode is not None]
                 self._pending = prefills[1:]
             if prefills:
                 self._prefill(prefills[0])
             previous = self._decode(decodes) if decodes else set()
+
+    def _resubmitted(self, previous: set[_Ticket]) -> bool:
+        """Has every stream of the last step submitted its next one (or the scheduler closed)?"""
+        return self._closed or not previous - {w.owner for w in self._pending}
+
+    def _prefill_waiting(self) -> bool:
+        return self._closed or any(w.prefill is not None for w in self._pending)
 
     def _prefill(self, work: _Work) -> None:
         if work.owner.should_stop():
