@@ -9,14 +9,11 @@ samples with its own options and its own `torch.Generator`.
 Batch invariance: a request's codes never depend on the others in its batch. Everything between
 the products works row by row (norms, rotation, attention, SiLU, sampling). The products are chosen
 for it (`row_product`): the float GEMV (gemv.c) reduces each row in the order it uses for one row;
-int4 rows are independent (int4.c); int8 rows are quantized per request on a grid that depends on
-that request alone (decode.c `group_rows`), where the int8 GEMM would take one grid for all rows.
-For float and int4 models a batched step therefore equals `generate.decode_frame` bit for bit; for
-int8 it equals the batched step of that request alone, whose activation grid differs from the solo
-product's (kazeia/quant.py) by float rounding only, so the scheduler runs every int8 step batched,
-also when one request is active. A model whose products cannot be made row-invariant (oneDNN
-products when generation has several threads, a GPU, no native library) steps its requests one
-after the other (`Batch.rows_shared` is False): the same results, without the shared weight reads.
+int4 and int8 rows are independent (int4.c; int8.c rounds each row on a grid of its own and sums
+exactly in integers). A batched step therefore equals `generate.decode_frame` bit for bit, at
+every precision. A model whose products cannot be made row-invariant (oneDNN products when
+generation has several threads, the int8 GEMM where there is no native library, a GPU) steps its
+requests one after the other (`Batch.rows_shared` is False): the same results, without the shared weight reads.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from .model import TTSModel
 from .native import address
 from .native.linear import NativeLinear
 from .prompt import frame_embedding
-from .quant import LINEAR_DYNAMIC, QuantLinear
+from .quant import QuantLinear
 from .sampling import sample, talker_scores
 
 MAX_ROWS = 256  # rows one native product takes (gemv.c); a batch of B needs 2 B in the predictor
@@ -51,10 +48,8 @@ def row_product(module: nn.Module) -> Product | None:
         return _gemv(module)
     if isinstance(module, HeadLinear):
         return _gemv_wide(module)
-    if isinstance(module, Int4Linear):
-        return lambda rows, groups: module(rows)  # int4.c: each row on its own
-    if isinstance(module, QuantLinear) and module.native is not None and module.in_features >= 2:
-        return _grouped_int8(module)
+    if isinstance(module, Int4Linear) or (isinstance(module, QuantLinear) and module.native):
+        return lambda rows, groups: module(rows)  # int4.c, int8.c: each row on its own
     return None
 
 
@@ -80,29 +75,6 @@ def _gemv_wide(head: HeadLinear) -> Product:
         y = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
         _check(lib.gemv_wide(bits.data_ptr(), 1, rows.data_ptr(), bias, y.data_ptr(), n_out, n_in, rows.shape[0]), rows)
         return y
-
-    return product
-
-
-def _grouped_int8(linear: QuantLinear) -> Product:
-    """The int8 GEMM on 2 n + 1 rows: each request's rows scaled by a power of two, their residual
-    rows, and the anchor row that fixes the activation grid (decode.c `group_rows`)."""
-    lib, packed, reduce_range, levels = linear.lib, linear.packed, linear.reduce_range, linear.levels
-    n_in, n_out = linear.in_features, linear.out_features
-
-    def product(rows: torch.Tensor, groups: int) -> torch.Tensor:
-        bias = address(linear.bias)
-        rows = rows.reshape(-1, n_in)
-        n = rows.shape[0]
-        if n % groups:
-            raise ValueError(f"{n} rows do not split into {groups} requests")
-        buffer = torch.empty(2 * n + 1, n_in, dtype=torch.float32)
-        buffer[:n] = rows
-        inverses = torch.empty(2 * groups, dtype=torch.float32)
-        lib.group_rows(buffer.data_ptr(), groups, n // groups, n_in, levels, inverses.data_ptr())
-        y = LINEAR_DYNAMIC(buffer, packed, reduce_range)
-        lib.combine_groups(y.data_ptr(), groups, n // groups, n_out, inverses.data_ptr(), bias)
-        return y[:n]
 
     return product
 

@@ -114,8 +114,8 @@ class Engine:
         """Load a local checkpoint directory or a hub id (downloaded once into the hub cache).
 
         dtype: talker and code-predictor weights, "float32" | "bfloat16" | "float16" | "int8" (CPU:
-            per-channel int8 weights quantized at load, float32 activations sent to the int8 GEMM
-            as two 8-bit rows; see kazeia/quant.py) | "int4" (CPU with the native library: 4-bit
+            per-channel int8 weights quantized at load, float32 activations rounded to 16 bits per
+            row, exact integer sums; see kazeia/quant.py) | "int4" (CPU with the native library: 4-bit
             groups of 32 weights, the fewest bytes to read a frame; see kazeia/int4.py). Default:
             the precision a checkpoint prepared by `kazeia quantize` was made for (the only one it
             loads in; kazeia/prepared.py), else float32.

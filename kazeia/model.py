@@ -52,7 +52,8 @@ class TTSModel(nn.Module):
         quantized = dtype in QUANTIZED  # the file's precision is kept until each weight is quantized
         if quantized and torch.device(device).type != "cpu":
             raise ValueError(f"dtype {dtype!r} runs on the CPU only; use bfloat16 or float16 on a GPU")
-        if dtype == "int8" and (why := int8_supported()) is not None:
+        lib = native.library() if torch.device(device).type == "cpu" else None
+        if dtype == "int8" and (why := int8_supported(lib)) is not None:
             raise ValueError(f"dtype {dtype!r} cannot run here: {why}; use float32 or bfloat16")
         if dtype == "int4" and native.library() is None:
             raise ValueError(

@@ -1,22 +1,24 @@
 """int8 weights for the talker and code predictor.
 
 Linear layers: weights quantized per output channel (symmetric, one float scale per row) at load
-time and run with the CPU's dynamic-activation int8 GEMM (`torch.ops.quantized.linear_dynamic`,
-fbgemm): it quantizes its float32 input to 8 bits on the fly (one scale for the whole input),
-accumulates in int32 and rescales to float32. Embedding tables: int8 rows with one scale per row,
-dequantized on lookup (only the looked-up rows are ever read). Everything else (norms, activations,
-KV caches) stays float32. Non-goal: int8 for the vocoder, which is compute-bound and stays float32.
+time. Embedding tables: int8 rows with one scale per row, dequantized on lookup (only the looked-up
+rows are ever read). Everything else (norms, activations, KV caches) stays float32. Non-goal: int8
+for the vocoder, which is compute-bound and stays float32.
 
-Activations in two rows. Rounding activations to 8 bits costs as much accuracy as rounding the
-weights (each ~0.8% of a product on the real-size model), more for heavy-tailed inputs such as the
-MLP's down projection. So each input x is sent with a second row: its rounding residual
-x - Q(x), where Q is the GEMM's own 8-bit grid, scaled up by a power of two f chosen so that the
-second row stays inside the first row's range (the GEMM then picks the same grid for both rows).
-The output is row 0 + row 1 / f: the activation error shrinks by f (typically 128) and what is
-left is the weights' rounding. A batch-1 GEMM reads each weight once however many rows it
-multiplies, so the second row costs no measurable time (BENCHMARKS.md). `split_rows` is the
-reference; kazeia/native/decode.c (`residual_row`, `combine_rows`) does the same, value for value,
-wherever the native library is available (the native decode step, and `QuantLinear.forward`).
+Products, where the native library is built (kazeia/native/int8.c): each activation row is rounded
+to 16 bits on a grid of its own (step max |x| / 32767) and multiplied by the int8 weights in exact
+integer arithmetic, then scaled once (`reference_product` is the definition, in float64). 8-bit
+activations would cost as much accuracy as the weights' rounding (~0.8 % of a product on the
+real-size model); 16 bits leave only the weights'. A row's result depends on that row alone, in
+every build (AVX-512, AVX2, plain C compute the same integers): a batched step gives each request
+exactly its solo result (kazeia/batch.py), and solo and batched steps are the same computation.
+
+Without the native library: the CPU's dynamic-activation int8 GEMM (`torch.ops.quantized.
+linear_dynamic`, fbgemm), which takes one 8-bit grid for its whole input; each input is sent with a
+second row, its rounding residual x - Q(x) scaled up by a power of two f that keeps it inside the
+first row's range, and the output is row 0 + row 1 / f (`split_rows`): the activation error shrinks
+by f (typically 128) at the same weight reads. Results differ from the native product's by
+rounding; that path has no batched step (kazeia/batch.py runs such requests one by one).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import nn
 
 from . import cpu
 from .layers import replace_linears
+from .native import Product, address
 
 INT8_MAX = 127.0
 MAX_EXPONENT = 17  # residual factors up to 2^16 (decode.c has the same bound)
@@ -52,12 +55,15 @@ def needs_reduced_range() -> bool:
     return not cpu.uses("vnni")
 
 
-def int8_supported() -> str | None:
-    """None when int8 products can run here, else the reason they cannot."""
+def int8_supported(lib=None) -> str | None:
+    """None when int8 products can run here, else the reason they cannot. `lib`: the native
+    library (its int8 products run on any CPU); without it, the int8 GEMM is needed."""
+    if lib is not None:
+        return None
     if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return "this torch build has no fbgemm int8 GEMM"
+        return "this torch build has no fbgemm int8 GEMM, and the native library is unavailable"
     if not cpu.uses("avx2"):
-        return "int8 needs a CPU with AVX2 (the int8 GEMM has no kernel below it)"
+        return "int8 needs a CPU with AVX2 (the int8 GEMM has no kernel below it) or the native library"
     return None
 
 
@@ -113,23 +119,75 @@ def _row_scales(weight: torch.Tensor) -> torch.Tensor:
     return weight.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
 
 
+# The native layout (int8.c): groups of ROWS weight rows, each cut in chunks of CHUNK columns
+# stored side by side (row 0's chunk, row 1's, ...), so that one group is one sequential stream.
+ROWS, CHUNK = 4, 32
+# Activation rows from which a product's weight rows are split over a team's threads (a prompt's).
+SPLIT_MIN_ROWS = 8
+
+
+def native_shape(out_features: int, in_features: int) -> bool:
+    """Whether int8.c takes a weight of this shape (else the int8 GEMM does)."""
+    return out_features % ROWS == 0 and in_features % CHUNK == 0 and in_features > 0
+
+
+def interleave(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 values (out, in) -> int8.c's layout (the same values, reordered: `native_shape`)."""
+    rows, cols = qweight.shape
+    return qweight.view(rows // ROWS, ROWS, cols // CHUNK, CHUNK).transpose(1, 2).contiguous().view(rows, cols)
+
+
+def deinterleave(packed: torch.Tensor) -> torch.Tensor:
+    rows, cols = packed.shape
+    return packed.view(rows // ROWS, cols // CHUNK, ROWS, CHUNK).transpose(1, 2).contiguous().view(rows, cols)
+
+
+@torch.no_grad()
+def reference_product(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias=None) -> torch.Tensor:
+    """The native int8 product (kazeia/native/int8.c) in PyTorch operations, value for value:
+    x (M, in) float32 rows, each rounded to 16 bits on its own grid; exact integer dot products
+    (in float64, exact below 2^53); one scaling in float64, rounded to float32; the bias added in
+    float32. Slow (float64 weights): the definition, for tests and for reading."""
+    x = x.float()
+    amax = x.abs().amax(dim=1)
+    finite = torch.isfinite(x).all(dim=1)
+    limit = torch.tensor(32767.0)
+    inverse = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
+    codes = torch.round(x * inverse[:, None]).clamp(-32767, 32767)
+    codes = torch.where(finite[:, None], codes, torch.zeros_like(codes))
+    steps = torch.where(finite, amax / limit, torch.full_like(amax, math.nan))
+    dots = codes.double() @ qweight.double().T
+    y = (dots * (steps.double()[:, None] * scales.double()[None, :])).float()
+    return y if bias is None else y + bias.float()
+
+
 class QuantLinear(nn.Module):
     """y = x @ W.T + b with W stored int8 per output channel; x, y and b are float32.
 
-    Each product runs the int8 GEMM on two rows (`split_rows`): the activation error is ~f times
-    smaller than one 8-bit row's, at the same weight reads. `native`, chosen when the layer is
-    made: the product with the residual rows and their combination in kazeia/native/decode.c (the
-    same values as `eager`, tested bit for bit), or None where there is no native library."""
+    With the native library (and a shape it takes: `native_shape`): int8.c's product, 16-bit
+    activation rows each on its own grid (`reference_product`), rows independent of each other;
+    a decoding step's product on the calling thread, a prompt's on the team's threads. Otherwise
+    the int8 GEMM on two rows per input (`split_rows`)."""
 
-    def __init__(self, packed, bias: torch.Tensor | None, in_features: int, out_features: int, lib=None):
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, lib=None):
         super().__init__()
-        self.packed = packed  # prepacked int8 weight for the int8 GEMM (opaque; the bias is kept apart)
-        self.register_buffer("bias", bias)
-        self.in_features, self.out_features = in_features, out_features
+        self.out_features, self.in_features = qweight.shape
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
+        self.lib = lib if lib is not None and native_shape(*qweight.shape) else None
         self.reduce_range = needs_reduced_range()
-        self.levels = 127 if self.reduce_range else 255  # steps of the GEMM's activation grid
-        self.lib = lib  # the native library (None: PyTorch operations only)
-        self.native = None if lib is None else self._native_product(lib)
+        self.levels = 127 if self.reduce_range else 255  # steps of the int8 GEMM's activation grid
+        if self.lib is not None:
+            self.register_buffer("qweight", interleave(qweight.to(torch.int8)))  # int8.c's layout
+            self.register_buffer("scales", scales.detach().float().contiguous())
+            self.packed = None
+        else:
+            zero = torch.zeros(qweight.shape[0], dtype=torch.long)
+            with warnings.catch_warnings():
+                # torch >= 2.10 marks quantized tensors deprecated; the packed int8 GEMM they feed is
+                # the int8 path where the native library is unavailable. Revisit when it is removed.
+                warnings.simplefilter("ignore", UserWarning)
+                q = torch._make_per_channel_quantized_tensor(qweight, scales.double(), zero, 0)
+            self.packed = torch.ops.quantized.linear_prepack(q, None)  # opaque; the bias is kept apart
 
     @classmethod
     @torch.no_grad()
@@ -140,20 +198,18 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def from_int8(cls, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, lib=None) -> QuantLinear:
         """From `quantize_weight`'s result (as a prepared checkpoint stores it: kazeia/prepared.py)."""
-        zero = torch.zeros(qweight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():
-            # torch >= 2.10 marks quantized tensors deprecated; the packed int8 GEMM they feed is
-            # still the fastest int8 path on CPUs (see BENCHMARKS.md). Revisit when it is removed.
-            warnings.simplefilter("ignore", UserWarning)
-            q = torch._make_per_channel_quantized_tensor(qweight, scales.double(), zero, 0)
-        packed = torch.ops.quantized.linear_prepack(q, None)
-        # The bias is added once, after the two rows are combined (the GEMM would add it to both).
-        b = None if bias is None else bias.detach().float().clone()
-        return cls(packed, b, qweight.shape[1], qweight.shape[0], lib)
+        return cls(qweight, scales, bias, lib)
+
+    @property
+    def native(self) -> bool:
+        """Whether int8.c runs this product (rows independent of each other)."""
+        return self.lib is not None
 
     @property
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The int8 values and float32 row scales this product multiplies by (`quantize_weight`)."""
+        """The int8 values (out, in) and float32 row scales this product multiplies by (`quantize_weight`)."""
+        if self.lib is not None:
+            return deinterleave(self.qweight), self.scales
         q, _ = torch.ops.quantized.linear_unpack(self.packed)
         return q.int_repr(), q.q_per_channel_scales().float()
 
@@ -162,15 +218,25 @@ class QuantLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:  # e.g. a prompt's empty text track (live text): nothing to multiply
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        if self.native is not None:
-            # The copy's second half is overwritten with the residual rows.
-            y = self.native(torch.cat((rows, rows)))[: rows.shape[0]]
-        else:
-            y = self.eager(rows)
+        y = self._native(rows) if self.lib is not None else self.eager(rows)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _native(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.float().contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, self.out_features, dtype=torch.float32)
+        threads = cpu.native_threads() if m >= SPLIT_MIN_ROWS else 1
+        status = self.lib.int8_gemm(self.qweight.data_ptr(), self.scales.data_ptr(), rows.data_ptr(),
+                                    None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                                    self.out_features, self.in_features, m, threads)  # fmt: skip
+        if status == -2:
+            raise MemoryError(f"int8 product of {m} rows: out of memory")
+        if status != 0:
+            raise RuntimeError(f"int8 product refused {m} x {self.in_features} -> {self.out_features}")
+        return y
+
     def eager(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (M, in) float32 -> (M, out), with PyTorch operations only."""
+        """rows (M, in) float32 -> (M, out) with the int8 GEMM (the path without the native library)."""
         n = rows.shape[0]
         stacked, factor = split_rows(rows, self.levels)
         y = LINEAR_DYNAMIC(stacked, self.packed, self.reduce_range)
@@ -180,23 +246,12 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y
 
-    def _native_product(self, lib) -> Callable[[torch.Tensor], torch.Tensor]:
-        """This product with kazeia/native/decode.c doing the residual rows and the combination, for
-        `forward` and the native decode step: `rows` (2m, in) float32 holds the m input rows first;
-        the result is the first m rows of the returned (2m, out) tensor."""
-        packed, reduce_range, levels, bias = self.packed, self.reduce_range, self.levels, self.bias
-        n_in, n_out = self.in_features, self.out_features
-        bias_ptr = None if bias is None else bias.data_ptr()
-        residual_row, combine_rows = lib.residual_row, lib.combine_rows
-
-        def product(rows: torch.Tensor) -> torch.Tensor:
-            m = rows.shape[0] // 2
-            factor = residual_row(rows.data_ptr(), m * n_in, levels)
-            y = LINEAR_DYNAMIC(rows, packed, reduce_range)
-            combine_rows(y.data_ptr(), m * n_out, n_out, 1.0 / factor if factor else 0.0, bias_ptr)
-            return y
-
-        return product
+    def product_spec(self, dtype: torch.dtype) -> tuple | None:
+        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        if self.lib is None or dtype != torch.float32:
+            return None
+        return (Product.INT8, 0, self.qweight.data_ptr(), self.scales.data_ptr(), None, None, address(self.bias),
+                self.out_features, self.in_features)  # fmt: skip
 
 
 class QuantEmbedding(nn.Module):

@@ -7,12 +7,14 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
+from kazeia import native
 from kazeia.quant import int8_supported
 from kazeia.testing import write_checkpoint
 
 # int8 products need fbgemm's kernels (AVX2 and up): skipped, with the reason, where they cannot run
 # (e.g. KAZEIA_ISA=portable).
-requires_int8 = pytest.mark.skipif(int8_supported() is not None, reason=str(int8_supported()))
+INT8_UNSUPPORTED = int8_supported(native.library())
+requires_int8 = pytest.mark.skipif(INT8_UNSUPPORTED is not None, reason=str(INT8_UNSUPPORTED))
 INT8 = pytest.param("int8", marks=requires_int8)
 
 TINY = {

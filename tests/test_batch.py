@@ -64,8 +64,9 @@ def test_the_gemv_gives_each_of_many_rows_its_one_row_result(dtype):
 
 @requires_int8
 def test_int8_rows_depend_on_their_own_request_only_and_stay_accurate():
-    """The anchored int8 grid: a request's rows give the same result whatever rows share the call
-    (here requests of very different ranges), and the error stays at the weights' rounding."""
+    """int8.c's rows, each on its own grid: a request's rows give the same result whatever rows
+    share the call (here requests of very different ranges), and the error stays at the weights'
+    rounding."""
     from kazeia import native
     from kazeia.quant import QuantLinear
 
@@ -99,8 +100,8 @@ def _prefilled(engine: Engine, i: int, seed: int, frames: int):
 @torch.inference_mode()
 def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
     """Four requests of different lengths stepped together, each leaving at its own end: their
-    codes equal one batched step at a time of each alone, and for float and int4 weights the
-    solo frame loop's (generate.decode_frame) too."""
+    codes equal one batched step at a time of each alone, and the solo frame loop's
+    (generate.decode_frame) too, at every precision."""
     engine = typed(dtype, name)
     batch = Batch(engine.model)
     # The native products read weights once for all rows; the tiny 1.7B's int4 model keeps a float
@@ -129,8 +130,7 @@ def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
     for i in range(4):
         together = torch.cat(items[i][2][:-1])
         assert torch.equal(together, alone(i, batched=True))
-        if dtype != "int8":
-            assert torch.equal(together, alone(i, batched=False))
+        assert torch.equal(together, alone(i, batched=False))
 
 
 def _speak(stream, cancel_after: int | None = None):
@@ -177,8 +177,8 @@ REQUEST = st.tuples(
 @given(specs=st.lists(REQUEST, min_size=2, max_size=6), max_batch=st.integers(1, 4))
 def test_staggered_streams_equal_their_solo_runs(typed, dtype, specs, max_batch):
     """Random arrivals, lengths, seeds, cancellations and live-text pauses through one scheduler:
-    every stream's audio and codes equal those of the same request run alone (for float32, the
-    engine's own stream without a scheduler; for int8 and bfloat16, alone in a scheduler), and a
+    every stream's audio and codes equal those of the same request run alone (for float32 and
+    int8, the engine's own stream without a scheduler; for bfloat16, alone in a scheduler), and a
     cancelled stream's audio is the start of its solo audio."""
     engine = typed(dtype)
     results: list = [None] * len(specs)
@@ -199,7 +199,7 @@ def test_staggered_streams_equal_their_solo_runs(typed, dtype, specs, max_batch)
     for k, spec in enumerate(specs):
         _, _, seed, cancel_after, live = spec
         text = [w + " " for w in WORDS] if live else TEXTS[seed]
-        if dtype == "float32":
+        if dtype in ("float32", "int8"):
             solo = _speak(engine.stream(text, **_options(engine, spec)))
         else:
             with engine.scheduler(max_batch=1) as alone:
@@ -582,16 +582,15 @@ def test_the_server_serves_16_clients_with_max_batch_4(engines):
 @torch.inference_mode()
 def test_the_step_in_one_native_call_equals_the_step_layer_by_layer(typed, dtype, requests, positions):
     """stack.c's whole step (one call, where every product is native in the activations' dtype)
-    gives the bits of the layer-by-layer step, solo and batched, results and caches; int8 products
-    (fbgemm, reachable from Python only) keep the layer-by-layer step."""
+    gives the bits of the layer-by-layer step, solo and batched, results and caches."""
     model = typed(dtype).model
     for stack in (model.talker, model.code_predictor):
         step = stack.native_step
         products = [p for layer in stack.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]  # fmt: skip
         native = all(getattr(p, "product_spec", lambda dtype: None)(step.dtype) is not None for p in products)
-        assert (step.whole is not None) == native  # int8's fbgemm products, or float ones without the GEMV
-        assert native or dtype != "int4"  # int4 products are native.int4.c's wherever int4 loads
+        assert (step.whole is not None) == native  # float products without the GEMV are not
+        assert native or dtype not in ("int4", "int8")  # int4.c's and int8.c's wherever these load
         if step.whole is None:
             continue
         generator = torch.Generator().manual_seed(requests * 10 + positions)
@@ -607,8 +606,8 @@ def test_the_step_in_one_native_call_equals_the_step_layer_by_layer(typed, dtype
                 twin.k.copy_(layer.k), twin.v.copy_(layer.v)
         rope = [stack.rotary.span(s, positions, step.dtype, "cpu") for s in starts]
         whole = step._run_whole(x, positions, list(zip(rope, caches, starts, strict=True)))
-        layers, factor = (step.layers, step.rows) if requests == 1 else (step.batch_layers, 1)
-        apart = step._run(x, positions, list(zip(rope, copies, starts, strict=True)), layers, factor)
+        layers = step.layers if requests == 1 else step.batch_layers
+        apart = step._run(x, positions, list(zip(rope, copies, starts, strict=True)), layers)
         assert torch.equal(whole, apart)
         for cache, copy in zip(caches, copies, strict=True):
             assert all(torch.equal(a.k, b.k) and torch.equal(a.v, b.v) for a, b in zip(cache, copy, strict=True))

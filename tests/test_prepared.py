@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 from clone_support import espeak
+from conftest import requires_int8
 from safetensors.torch import load_file, save_file
 
 from kazeia import Engine, native
 from kazeia.cli import main
 from kazeia.config import CheckpointError
 from kazeia.prepared import FORMAT, prepared_dtype, quantize
-from kazeia.quant import int8_supported
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=16, seed=3)
-NEEDS_INT8 = pytest.mark.skipif(int8_supported() is not None, reason=str(int8_supported()))
+NEEDS_INT8 = requires_int8
 NEEDS_NATIVE = pytest.mark.skipif(native.library() is None, reason="int4 needs the native library")
 
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import requires_int8
+from conftest import INT8_UNSUPPORTED, requires_int8
 
 from kazeia import Engine
-from kazeia.quant import QuantEmbedding, QuantLinear, int8_supported
+from kazeia.quant import QuantEmbedding, QuantLinear
 from kazeia.testing.quality import compare, teacher_forced_logits
 
 TEXT = "The quality guard compares every precision with float32."
@@ -13,7 +13,7 @@ TEXT = "The quality guard compares every precision with float32."
 BOUNDS = {"bfloat16": (0.02, 0.93), "float16": (0.005, 0.98), "int8": (0.03, 0.9)}
 
 
-PRECISIONS = [d for d in BOUNDS if d != "int8" or int8_supported() is None]
+PRECISIONS = [d for d in BOUNDS if d != "int8" or INT8_UNSUPPORTED is None]
 
 
 @pytest.fixture(scope="module")

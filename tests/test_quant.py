@@ -1,5 +1,7 @@
-"""int8 products (kazeia/quant.py): two activation rows make the product as accurate as its int8
-weights, where one 8-bit row adds an activation error of the same size again."""
+"""int8 products (kazeia/quant.py). The native product (kazeia/native/int8.c): the float64
+reference of its arithmetic bit for bit in every build, rows independent, as accurate as its int8
+weights. The int8 GEMM's path (no native library): two activation rows make the product as
+accurate as its weights, where one 8-bit row adds an activation error of the same size again."""
 
 import math
 
@@ -10,7 +12,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from kazeia.quant import LINEAR_DYNAMIC, QuantLinear, activation_scale, residual_factor, split_rows
+from kazeia import cpu, native
+from kazeia.quant import (
+    LINEAR_DYNAMIC,
+    QuantLinear,
+    activation_scale,
+    deinterleave,
+    interleave,
+    quantize_weight,
+    reference_product,
+    residual_factor,
+    split_rows,
+)
+
+LIB = native.library()
+needs_lib = pytest.mark.skipif(LIB is None, reason="the native int8 product needs the native library")
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
@@ -142,3 +158,100 @@ def test_an_input_of_no_rows_gives_no_rows():
     layer = QuantLinear.from_float(torch.randn(8, 64), torch.arange(8.0), native.library())
     with torch.inference_mode():
         assert layer(torch.zeros(1, 0, 64)).shape == (1, 0, 8)
+
+
+@needs_lib
+def test_the_native_kernel_is_the_one_the_features_allow():
+    have = cpu.enabled()
+    assert LIB.int8_kernel() == (2 if "avx512" in have else 1 if "avx2" in have else 0)
+
+
+def _native(rows: int, cols: int, bias: bool, seed: int) -> tuple[QuantLinear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, cols, generator=g) * 0.05
+    layer = QuantLinear.from_float(weight, torch.randn(rows, generator=g) if bias else None, LIB)
+    assert layer.native
+    return layer, weight
+
+
+@needs_lib
+@pytest.mark.parametrize(("rows", "cols"), [(4, 32), (36, 256), (132, 1024), (8, 8192 + 32), (12, 16384 + 96)])
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+def test_the_native_product_is_its_reference_arithmetic(rows, cols, m):
+    """Bit for bit against `reference_product` (float64, exact integer sums), one thread or a team
+    (a prompt's product), with and without bias, widths past one block of 32-bit lane sums."""
+    layer, _ = _native(rows, cols, bias=m % 2 == 1, seed=rows + m)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, cols, generator=g) * torch.logspace(-3, 3, m)[:, None]
+    qweight, scales = layer.stored
+    want = reference_product(x, qweight, scales, layer.bias)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), want)
+        with cpu.team(3):
+            assert torch.equal(layer(x.repeat(3, 1)), want.repeat(3, 1))  # >= SPLIT_MIN_ROWS: split rows
+
+
+@needs_lib
+def test_the_native_product_at_the_ends_of_its_range():
+    """Every weight and activation at its largest magnitude (sums far past 32 bits, exact), a zero
+    row (the bias alone), a row that is not finite (NaN), and a tiny one."""
+    cols = 8192 * 3
+    qweight = torch.full((4, cols), 127, dtype=torch.int8)
+    qweight[1] = -127
+    scales = torch.tensor([1.0, 0.5, 2.0**-20, 3.0])
+    layer = QuantLinear.from_int8(qweight, scales, torch.arange(4.0), LIB)
+    x = torch.stack([torch.full((cols,), 5.0), torch.zeros(cols), torch.full((cols,), -1e-30), torch.zeros(cols)])
+    x[3, 7] = math.inf
+    with torch.inference_mode():
+        y = layer(x)
+    assert torch.equal(y[:3], reference_product(x[:3], qweight, scales, layer.bias))
+    assert float(y[0, 0]) == pytest.approx(5.0 * 127 * cols, rel=1e-6)
+    assert torch.equal(y[1], torch.arange(4.0))
+    assert bool(torch.isnan(y[3]).all())
+
+
+@needs_lib
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 12), order=st.permutations(range(12)), seed=st.integers(0, 2**16))
+def test_a_native_row_never_depends_on_the_others(m, order, seed):
+    """Any rows, in any order and number: each row's result is its result alone."""
+    layer, _ = _native(64, 320, bias=True, seed=7)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(12, 320, generator=g) * torch.logspace(-2, 2, 12)[:, None]
+    picked = x[list(order[:m])]
+    with torch.inference_mode():
+        together = layer(picked)
+        for i in range(m):
+            assert torch.equal(together[i], layer(picked[i : i + 1])[0])
+
+
+@needs_lib
+@pytest.mark.parametrize("kind", list(INPUTS))
+def test_the_native_product_leaves_only_the_weights_rounding(kind):
+    """16-bit activation rows: the error against the int8 weights in float with exact activations
+    is a small fraction of what the weights' own rounding costs."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(384, 512, generator=g), torch.randn(384, generator=g)
+    layer = QuantLinear.from_float(weight, bias, LIB)
+    x = INPUTS[kind](g)
+    with torch.inference_mode():
+        got = layer(x)
+    exact = x @ dequantized(weight).T + bias
+    weights_error = rel(x @ weight.T + bias, exact)
+    assert weights_error > 3e-3
+    assert rel(got, exact) < 0.01 * weights_error
+
+
+@needs_lib
+def test_the_native_layout_holds_the_stored_values():
+    """int8.c's interleaved layout is a reordering: `stored` gives back quantize_weight's values,
+    and a shape int8.c does not take keeps the int8 GEMM."""
+    weight = torch.randn(40, 96)
+    qweight, scales = quantize_weight(weight)
+    assert torch.equal(deinterleave(interleave(qweight)), qweight)
+    assert not torch.equal(interleave(qweight), qweight)
+    layer = QuantLinear.from_float(weight, None, LIB)
+    stored = layer.stored
+    assert torch.equal(stored[0], qweight) and torch.equal(stored[1], scales)
+    odd = QuantLinear.from_float(torch.randn(6, 96), None, LIB)  # 6 rows: not in groups of 4
+    assert not odd.native and odd.packed is not None

@@ -1,10 +1,11 @@
 """Native code (C, built on this machine, called through ctypes): the decode step of a decoder
 stack at batch 1 with the glue between the products in C, and the vocoder's SnakeBeta in one pass.
 
-The matrix products stay with PyTorch (oneDNN / int8 GEMM modules); the norms, rotation, KV-cache
-write, attention and SiLU of each layer run as four calls into `decode.c` (int8 products add two
-more each, for their second activation row: see kazeia/quant.py); `vocoder.c` holds `snake_beta`
-(kazeia/conv.py). The system C compiler builds both into one library, once per machine and set of
+Products: the float GEMV (`gemv.c`), int8 (`int8.c`) and int4 (`int4.c`) kernels, or PyTorch's
+(oneDNN) where these do not apply; the norms, rotation, KV-cache write, attention and SiLU of each
+layer run as four calls into `decode.c`, or the whole step in one call of `stack.c` where every
+product is native; `vocoder.c` holds `snake_beta` (kazeia/conv.py). The system C compiler builds
+them into one library, once per machine and set of
 CPU features (kazeia/cpu.py), in `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`). Where no
 compiler is found or the build fails, `library()` returns None with one warning and the eager
 code runs instead; `KAZEIA_NATIVE=0` turns this path off. Callers choose once, at load.
@@ -31,7 +32,9 @@ import torch
 
 from .. import cpu
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c", "int4.c", "stack.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c", "int4.c", "int8.c", "stack.c")
+)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtypes.h", "jobs.h"))  # included: in the build key
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
 # target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
@@ -194,10 +197,6 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "add_rms_norm": ([_P, _P, _P, _P, _INT, _INT, _F, _INT], None),
     "attend": ([*[_P] * 8, *[_INT] * 6, _F, _INT], None),
     "silu_mul": ([_P, _P, _INT, _INT, _INT], None),
-    "residual_row": ([_P, _INT, _INT], _F),
-    "combine_rows": ([_P, _INT, _INT, _F, _P], None),
-    "group_rows": ([_P, _INT, _INT, _INT, _INT, _P], None),
-    "combine_groups": ([_P, _INT, _INT, _INT, _P, _P], None),
     "has_float16": ([], _INT),
     "snake_beta": ([*[_P] * 4, *[_LONG] * 5, _INT], _INT),
     "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
@@ -207,6 +206,9 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "int4_gemv": ([*[_P] * 7, _LONG, _LONG, _LONG], _INT),
     "int4_gemm": ([*[_P] * 7, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
     "int4_kernel": ([], _INT),
+    "int8_gemm": ([*[_P] * 5, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
+    "int8_gemv": ([*[_P] * 5, _LONG, _LONG, _LONG], _INT),
+    "int8_kernel": ([], _INT),
     "stack_step": ([_P, _INT, *[_P] * 9, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT], _INT),
 }
 
@@ -260,7 +262,7 @@ class Product(ctypes.Structure):
     """stack.c's description of one native product (`product_spec()` of NativeLinear, HeadLinear
     and Int4Linear): its kind, weight dtype, the addresses of its weights and bias, its shape."""
 
-    GEMV, WIDE, INT4 = 0, 1, 2
+    GEMV, WIDE, INT4, INT8 = 0, 1, 2, 3
     _fields_ = [
         ("kind", ctypes.c_int),
         ("dt", ctypes.c_int),
@@ -302,9 +304,7 @@ class StackStep:
     products, so it describes the weights of that moment. Each layer is: qkv product, `attend`,
     output product, `add_rms_norm`, gate/up product, `silu_mul`, down product, `add_rms_norm`
     (which also applies the next layer's input norm or the final one). Products' inputs are
-    (rows, features) buffers whose first T rows (one per position) the C code writes: T rows in
-    all for float products (their `forward`), 2T for int8 ones, whose second half takes the
-    residual rows (`QuantLinear.native`); a product's result is the first T rows of what it returns.
+    (rows, features) buffers of T rows (one per position) that the C code writes.
     """
 
     def __init__(self, lib: ctypes.CDLL, layers, norm, dtype: torch.dtype, batch_product=None):
@@ -320,8 +320,6 @@ class StackStep:
         self.first_norm = self._address(norms[0])
         products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
                     for layer in layers]  # fmt: skip
-        natives = [getattr(p, "native", None) for four in products for p in four]
-        self.rows = 2 if any(natives) else 1
         self.layers = self._layers(layers, products, norms, _solo)
         # The batched step's products (kazeia/batch.py): each row's result independent of the
         # others, or None where some product is not (that model's batches run request by request).
@@ -378,7 +376,7 @@ class StackStep:
         T = x.shape[1]
         if self.whole is not None:
             return self._run_whole(x.reshape(T, self.hidden), T, [(rope, cache, start)]).view(1, T, -1)
-        return self._run(x.reshape(T, self.hidden), T, [(rope, cache, start)], self.layers, self.rows).view(1, T, -1)
+        return self._run(x.reshape(T, self.hidden), T, [(rope, cache, start)], self.layers).view(1, T, -1)
 
     def batch(self, x: torch.Tensor, requests: list) -> torch.Tensor:
         """Several requests' step at once: x (B, T, H), request b at positions [start_b, start_b + T)
@@ -388,7 +386,7 @@ class StackStep:
         B, T, H = x.shape
         if self.whole is not None:
             return self._run_whole(x.reshape(B * T, H), T, requests).view(B, T, H)
-        return self._run(x.reshape(B * T, H), T, requests, self.batch_layers, 1).view(B, T, H)
+        return self._run(x.reshape(B * T, H), T, requests, self.batch_layers).view(B, T, H)
 
     def _check_room(self, T: int, requests: list) -> int:
         """The largest cache capacity of `requests`; an error if T positions overflow any of them."""
@@ -423,15 +421,14 @@ class StackStep:
             raise RuntimeError(f"the native step refused {n} rows (status {status})")
         return buffers[0]
 
-    def _run(self, x: torch.Tensor, T: int, requests: list, layers: list, factor: int) -> torch.Tensor:
-        """x (B * T, H), B = len(requests), request-major -> final-normed (B * T, H). Product
-        inputs are buffers of `factor` * B * T rows (2 for the solo int8 products: module docstring)."""
+    def _run(self, x: torch.Tensor, T: int, requests: list, layers: list) -> torch.Tensor:
+        """x (B * T, H), B = len(requests), request-major -> final-normed (B * T, H)."""
         lib, dt, dtype = self.lib, self.dt, self.dtype
         H, nq, nkv, hd = self.hidden, self.heads, self.kv_heads, self.head_dim
         B = len(requests)
         capacity = self._check_room(T, requests)
         h = x.clone()  # the residual stream, updated in place
-        rows = factor * B * T  # product inputs: B * T rows (then as many residual rows for solo int8)
+        rows = B * T
         normed = torch.empty(rows, H, dtype=dtype)
         attended = torch.empty(rows, nq * hd, dtype=dtype)
         activated = torch.empty(rows, self.inner, dtype=dtype)
@@ -462,8 +459,7 @@ class StackStep:
 
 def _solo(linear) -> Callable:
     """A solo step's product, called as the batched ones are (the number of requests is 1)."""
-    product = linear.native if getattr(linear, "native", None) else linear.forward
-    return lambda rows, groups: product(rows)
+    return lambda rows, groups: linear(rows)
 
 
 def stack_step(lib: ctypes.CDLL | None, layers, norm, dtype: torch.dtype, batch_product=None) -> StackStep | None:

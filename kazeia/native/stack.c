@@ -1,21 +1,21 @@
 /* A whole decoding step of a decoder stack in one call: every layer's products and the glue
    between them (decode.c), for the stacks whose products are all native (the float GEMV of
-   gemv.c, its bfloat16-weight `gemv_wide`, and int4.c), with the activations in one dtype.
+   gemv.c, its bfloat16-weight `gemv_wide`, int4.c and int8.c), with the activations in one dtype.
 
    Python makes ~8 calls a layer otherwise (4 products, 4 glue functions), 103 layer steps a frame
    (the talker's 28 once, the code predictor's 5 fifteen times): their dispatch was the largest cost
    above the products themselves. The order of operations, and so every rounding, is that of
-   `StackStep._run` (kazeia/native/__init__.py), which remains the path for int8 products (fbgemm,
-   reachable from Python only). Several requests (kazeia/batch.py) share each product: their rows
+   `StackStep._run` (kazeia/native/__init__.py), which remains the path for products that are not
+   native (PyTorch's). Several requests (kazeia/batch.py) share each product: their rows
    go in together, and each row's result does not depend on the others in these kernels. */
 
 #include <stdint.h>
 
-enum { GEMV = 0, WIDE = 1, INT4 = 2 };
+enum { GEMV = 0, WIDE = 1, INT4 = 2, INT8 = 3 };
 
 /* One product: y (m x rows) = x (m x cols) @ W.T [+ bias]. GEMV: w of dtype dt, x and y of dt.
    WIDE: w bfloat16 bits, x and y float32. INT4: w codes, a steps, b offsets, c row factors, x and
-   y float32 (int4.c). */
+   y float32 (int4.c). INT8: w int8 values in int8.c's layout, a row scales, x and y float32. */
 typedef struct {
     int kind, dt;
     const void *w, *a, *b, *c;
@@ -32,6 +32,8 @@ int gemv(const void *w, const void *x, const void *bias, void *y, long rows, lon
 int gemv_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, int m);
 int int4_gemv(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
               const float *bias, float *y, long rows, long cols, long m);
+int int8_gemv(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long rows, long cols,
+              long m);
 void add_rms_norm(void *h, const void *delta, const void *w, void *out, int rows, int n, float eps, int dt);
 void attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, float *k_cache, float *v_cache,
             void *out, float *scratch, int count, int nq, int nkv, int hd, int cap, int pos, float eps, int dt);
@@ -45,6 +47,8 @@ static int product(const Product *p, const void *x, void *y, int m) {
         return gemv_wide(p->w, 1, x, p->bias, y, p->rows, p->cols, m);
     case INT4:
         return int4_gemv(p->w, p->a, p->b, p->c, x, p->bias, y, p->rows, p->cols, m);
+    case INT8:
+        return int8_gemv(p->w, p->a, x, p->bias, y, p->rows, p->cols, m);
     }
     return -1;
 }
