@@ -15,7 +15,7 @@ import torch
 
 from kazeia import Engine, cpu, native
 from kazeia.layers import can_pack
-from kazeia.quant import int8_supported, needs_reduced_range
+from kazeia.quant import QuantLinear, int8_supported, needs_reduced_range
 
 ALL = frozenset(cpu.FEATURES)
 ZEN3 = frozenset({"avx2"})
@@ -85,7 +85,14 @@ def test_each_path_follows_kazeia_isa(monkeypatch):
 
 
 def test_int8_is_refused_with_a_reason_where_it_cannot_run(tiny_checkpoints, monkeypatch):
+    """Below AVX2 int8 runs in the native library's plain C kernel; without that library too
+    (KAZEIA_NATIVE=0), nothing can run it."""
     monkeypatch.setenv("KAZEIA_ISA", "portable")
+    if native.library() is not None:
+        model = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int8").model
+        products = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert products and all(m.native for m in products) and native.library().int8_kernel() == 0
+    monkeypatch.setenv("KAZEIA_NATIVE", "0")
     with pytest.raises(ValueError, match="int8.*AVX2"):
         Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int8")
 
