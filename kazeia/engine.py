@@ -36,6 +36,7 @@ from .live import live_trailing
 from .model import TTSModel
 from .prepared import prepared_dtype
 from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, Prompt, build_prompt, needs_whole_text
+from .quant import QuantLinear
 from .request import Part, Request, Rules, TextSource, bounded, build_request, ref_text_ids
 from .runaway import CANCELLED, Guard, overall
 from .sampling import SamplingKwargs, SamplingOptions
@@ -96,8 +97,13 @@ class Engine:
         threads = torch.get_num_threads()
         prompt_threads = min(cpu.usable_cpus(), 2 * threads)
         alone = device.type == "cpu" and prompt_threads > threads
-        int4 = any(isinstance(m, Int4Linear) for m in model.talker.modules())  # its own threads
-        self._alone = _FirstPrefill(self._running, prompt_threads, not int4) if alone else generate.SOLO
+        # int4.c's and int8.c's products split a prompt over threads of their own
+        own = any(
+            isinstance(m, Int4Linear) or (isinstance(m, QuantLinear) and m.native) for m in model.talker.modules()
+        )
+        self._alone = _FirstPrefill(self._running, prompt_threads, not own) if alone else generate.SOLO
+        # a scheduler's prompts take the same team while no stream's audio is being decoded
+        self.prompt_team: tuple[int, bool] | None = (prompt_threads, not own) if alone else None
 
     @classmethod
     def load(

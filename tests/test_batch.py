@@ -395,6 +395,30 @@ def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
     assert results == [False, True]
 
 
+def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed, monkeypatch):
+    """Lanes idle (nothing decoding or waiting): a joining stream's prompt runs on the engine's
+    prompt team, as a lone `Engine.stream`'s first prompt does; while a decode holds a lane, on
+    generation's own threads."""
+    from kazeia import scheduler as scheduling
+
+    engine = typed("float32")
+    if engine.prompt_team is None:
+        pytest.skip("one core per stage is all this machine has: no prompt team")
+    seen, prefill = [], generate.prefill
+    monkeypatch.setattr(scheduling.generate, "prefill", lambda *a: seen.append(a[4:]) or prefill(*a))
+    with engine.scheduler(max_batch=2) as scheduler:
+        assert scheduler.lanes.idle()
+        _speak(scheduler.stream(TEXTS[0], voice="ryan", seed=1, max_new_tokens=3))
+        with scheduler.lanes.turn(False, 0.0, lambda: False):  # a decode holds the only lane
+            assert not scheduler.lanes.idle()
+            stream = scheduler.stream(TEXTS[1], voice="ryan", seed=2, max_new_tokens=3)  # its thread starts
+            deadline = time.monotonic() + 10
+            while len(seen) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        _speak(stream)
+    assert seen == [engine.prompt_team, (None, True)]
+
+
 def test_the_scheduler_runs_one_decode_at_a_time_with_one_lane(typed, monkeypatch):
     engine = typed("float32")
     vocoder, running, most = engine.vocoder, [0], [0]

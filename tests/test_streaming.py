@@ -258,7 +258,8 @@ def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
     gc.collect()  # the half-made stream's __del__ must not count it out a second time
     monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
     list(engine.stream(TEXT, **options))
-    assert seen == ["scheduled", team]
+    # the scheduler's prompt (no audio being decoded: the team too), then the engine's own first one
+    assert seen == [team, team]
 
 
 def test_live_text_decides_its_team_when_its_prompt_runs(engines, monkeypatch):
