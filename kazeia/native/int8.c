@@ -127,7 +127,6 @@ typedef __m512i acc_t;
 static inline acc_t acc_zero(void) { return _mm512_setzero_si512(); }
 static inline acc_t widen(const int8_t *w) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w)); }
 static inline acc_t load16(const int16_t *x) { return _mm512_loadu_si512((const void *)x); }
-static inline void store16(int16_t *x, acc_t v) { _mm512_storeu_si512((void *)x, v); }
 /* vpmaddwd then vpaddd: on a Zen 4 VM VNNI's fused vpdpwssd was no faster in this loop. */
 static inline acc_t acc_dot(acc_t a, acc_t w, acc_t x) { return _mm512_add_epi32(a, _mm512_madd_epi16(w, x)); }
 static inline int64_t acc_sum(acc_t a) {
@@ -145,7 +144,6 @@ typedef __m256i acc_t;
 static inline acc_t acc_zero(void) { return _mm256_setzero_si256(); }
 static inline acc_t widen(const int8_t *w) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)); }
 static inline acc_t load16(const int16_t *x) { return _mm256_loadu_si256((const __m256i *)x); }
-static inline void store16(int16_t *x, acc_t v) { _mm256_storeu_si256((__m256i *)x, v); }
 static inline acc_t acc_dot(acc_t a, acc_t w, acc_t x) { return _mm256_add_epi32(a, _mm256_madd_epi16(w, x)); }
 static inline int64_t acc_sum(acc_t a) {
     __m256i low = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(a));
@@ -163,11 +161,9 @@ static inline int64_t acc_sum(acc_t a) {
 /* The exact dot products of one group of ROWS weight rows (w: their interleaved chunks, see
    int8_gemm) with R activation rows (p, p + cols, ...): out[k][i]. One sequential stream of
    weights (what the prefetchers follow best; reading rows side by side is markedly slower), each
-   weight widened once per pass, or read already widened from w16 (the group in the same layout,
-   16-bit: several passes over one group widen it once). R and WIDE are constants at each call, so
-   each gets its own loop with its sums in registers. */
-static inline __attribute__((always_inline)) void group_dots(const int8_t *w, const int16_t *w16, const int16_t *p,
-                                                             long cols, const int R, const int WIDE,
+   weight widened once per pass. R is a constant at each call, so each R gets its own loop with
+   its sums in registers. */
+static inline __attribute__((always_inline)) void group_dots(const int8_t *w, const int16_t *p, long cols, const int R,
                                                              int64_t out[ROWS][PASS]) {
     for (int k = 0; k < ROWS; k++)
         for (int i = 0; i < R; i++) out[k][i] = 0;
@@ -184,8 +180,7 @@ static inline __attribute__((always_inline)) void group_dots(const int8_t *w, co
             _mm_prefetch((const char *)(chunk + 64 + PREFETCH), _MM_HINT_T0);
             for (int h = 0; h < CHUNK; h += STEP) {
                 acc_t wv[ROWS];
-                for (int k = 0; k < ROWS; k++)
-                    wv[k] = WIDE ? load16(w16 + c * ROWS + k * CHUNK + h) : widen(chunk + k * CHUNK + h);
+                for (int k = 0; k < ROWS; k++) wv[k] = widen(chunk + k * CHUNK + h);
                 for (int i = 0; i < R; i++) {
                     acc_t xv = load16(p + i * cols + c + h);
                     /* in a register, loaded once for the ROWS products (the compiler would rather
@@ -199,7 +194,6 @@ static inline __attribute__((always_inline)) void group_dots(const int8_t *w, co
             for (int i = 0; i < R; i++) out[k][i] += acc_sum(a[k][i]);
     }
 #else
-    (void)w16, (void)WIDE;
     for (; c < cols; c += CHUNK)
         for (int k = 0; k < ROWS; k++)
             for (int i = 0; i < R; i++) {
@@ -210,35 +204,23 @@ static inline __attribute__((always_inline)) void group_dots(const int8_t *w, co
 #endif
 }
 
-/* group_dots() for the R of a call (1..PASS), from w16 where it is not NULL. */
-static void group_dots_any(const int8_t *w, const int16_t *w16, const int16_t *p, long cols, int R,
-                           int64_t out[ROWS][PASS]) {
-#define GROUP_CASE(r)                                                                                                  \
-    case r:                                                                                                            \
-        if (w16)                                                                                                       \
-            group_dots(w, w16, p, cols, r, 1, out);                                                                    \
-        else                                                                                                           \
-            group_dots(w, w16, p, cols, r, 0, out);                                                                    \
-        return;
+/* group_dots() for the R of a call (1..PASS). */
+static void group_dots_any(const int8_t *w, const int16_t *p, long cols, int R, int64_t out[ROWS][PASS]) {
     switch (R) {
-        GROUP_CASE(1)
+    case 1:
+        group_dots(w, p, cols, 1, out);
+        return;
 #if PASS > 2
-        GROUP_CASE(3)
-        GROUP_CASE(4)
+    case 3:
+        group_dots(w, p, cols, 3, out);
+        return;
+    case 4:
+        group_dots(w, p, cols, 4, out);
+        return;
 #endif
     default:
-        group_dots(w, w16, p, cols, 2, w16 != NULL, out);
+        group_dots(w, p, cols, 2, out);
     }
-#undef GROUP_CASE
-}
-
-/* The group at w (ROWS x cols, interleaved) widened to 16 bits, in the same layout. */
-static void widen_group(const int8_t *w, long cols, int16_t *w16) {
-    long c = 0;
-#if VECTORS
-    for (; c + STEP <= cols * ROWS; c += STEP) store16(w16 + c, widen(w + c));
-#endif
-    for (; c < cols * ROWS; c++) w16[c] = w[c];
 }
 
 /* One thread's share of a product: weight rows [first, last) against the m rounded rows. */
@@ -253,14 +235,11 @@ struct int8_job {
 static void *int8_job_run(void *arg) {
     const struct int8_job *j = arg;
     const long cols = j->cols;
-    /* several passes over each group (a prompt's rows): the group widened once, into w16 */
-    int16_t *w16 = j->m > PASS && VECTORS ? malloc(sizeof(int16_t) * (size_t)(ROWS * cols)) : NULL;
     for (long r = j->first; r < j->last; r += ROWS) {
-        if (w16) widen_group(j->q + r * cols, cols, w16);
         for (long i = 0; i < j->m; i += PASS) {
             const int R = j->m - i >= PASS ? PASS : (int)(j->m - i);
             int64_t dots[ROWS][PASS];
-            group_dots_any(j->q + r * cols, w16, j->p + i * cols, cols, R, dots);
+            group_dots_any(j->q + r * cols, j->p + i * cols, cols, R, dots);
             for (int k = 0; k < ROWS; k++)
                 for (int n = 0; n < R; n++) {
                     float v = (float)((double)dots[k][n] * ((double)j->steps[i + n] * (double)j->scales[r + k]));
@@ -269,7 +248,6 @@ static void *int8_job_run(void *arg) {
                 }
         }
     }
-    free(w16);
     return NULL;
 }
 
