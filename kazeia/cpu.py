@@ -224,6 +224,16 @@ def native_threads() -> int:
     return getattr(_local, "threads", 1)
 
 
+# Activation rows from which Kazeia's own products (int4.c, int8.c) split their weight rows over
+# the calling thread's team: a prompt's; a decoding step's few rows stay on one thread.
+SPLIT_MIN_ROWS = 8
+
+
+def product_threads(rows: int) -> int:
+    """The threads one of those products of `rows` activation rows takes here."""
+    return native_threads() if rows >= SPLIT_MIN_ROWS else 1
+
+
 @contextlib.contextmanager
 def team(threads: int | None, openmp: bool = True) -> Iterator[None]:
     """Run the block's parallel work on `threads` threads, in the calling thread only: Kazeia's

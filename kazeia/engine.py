@@ -102,8 +102,13 @@ class Engine:
             isinstance(m, Int4Linear) or (isinstance(m, QuantLinear) and m.native) for m in model.talker.modules()
         )
         self._alone = _FirstPrefill(self._running, prompt_threads, not own) if alone else generate.SOLO
-        # a scheduler's prompts take the same team while no stream's audio is being decoded
-        self.prompt_team: tuple[int, bool] | None = (prompt_threads, not own) if alone else None
+
+    @property
+    def prompt_team(self) -> tuple[int, bool] | None:
+        """(threads, openmp) of a prompt that has the machine to itself (`cpu.team`; a scheduler's
+        prompts take it while no stream's audio is being decoded), or None where there is none."""
+        threads = self._alone.prompt_threads
+        return None if threads is None else (threads, self._alone.openmp)
 
     @classmethod
     def load(

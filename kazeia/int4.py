@@ -42,9 +42,6 @@ STEPS, OFFSETS = 255, 127  # the grids of a group's step (uint8) and offset (int
 # reach 7.04 % relative error on Gaussian weights, seventeen 7.02 %, one (min-max) 7.5 %.
 SHIFTS = tuple(-1.0 + 0.25 * i for i in range(9))
 CHUNK = 1 << 16  # rows x groups per quantization block (bounds the search's temporaries)
-# Activation rows from which `Int4Linear` splits a product's weight rows over a team's threads
-# (int4_gemm: a prompt's); a decoding step's one or two rows stay on one thread.
-SPLIT_MIN_ROWS = 8
 
 
 def supported(in_features: int) -> bool:
@@ -202,7 +199,7 @@ class Int4Linear(nn.Module):
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         product = self._product()
         args = (rows.data_ptr(), self._bias, y.data_ptr(), self.out_features, self.in_features, rows.shape[0])
-        threads = cpu.native_threads() if rows.shape[0] >= SPLIT_MIN_ROWS else 1
+        threads = cpu.product_threads(rows.shape[0])
         if threads > 1:  # a prompt's product on a team (generate.prefill): the same results, sooner
             status = self.lib.int4_gemm(*self._addresses(), *args, threads)
         else:

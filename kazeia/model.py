@@ -55,7 +55,7 @@ class TTSModel(nn.Module):
         lib = native.library() if torch.device(device).type == "cpu" else None
         if dtype == "int8" and (why := int8_supported(lib)) is not None:
             raise ValueError(f"dtype {dtype!r} cannot run here: {why}; use float32 or bfloat16")
-        if dtype == "int4" and native.library() is None:
+        if dtype == "int4" and lib is None:
             raise ValueError(
                 "dtype 'int4' needs the native library (a C compiler, and KAZEIA_NATIVE not 0); use int8 or float32"
             )
@@ -71,7 +71,6 @@ class TTSModel(nn.Module):
                 )
         if prepared in QUANTIZED:  # products stored quantized and fused: nothing to convert
             fuse_projections(model)  # on the meta device: the fused shapes
-            lib = native.library() if torch.device(device).type == "cpu" else None
             load_quantized(model, path, prepared, lib)
             model.choose_steps(lib)
             return model.eval()

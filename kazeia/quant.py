@@ -122,8 +122,6 @@ def _row_scales(weight: torch.Tensor) -> torch.Tensor:
 # The native layout (int8.c): groups of ROWS weight rows, each cut in chunks of CHUNK columns
 # stored side by side (row 0's chunk, row 1's, ...), so that one group is one sequential stream.
 ROWS, CHUNK = 4, 32
-# Activation rows from which a product's weight rows are split over a team's threads (a prompt's).
-SPLIT_MIN_ROWS = 8
 
 
 def native_shape(out_features: int, in_features: int) -> bool:
@@ -225,7 +223,7 @@ class QuantLinear(nn.Module):
         rows = rows.float().contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.out_features, dtype=torch.float32)
-        threads = cpu.native_threads() if m >= SPLIT_MIN_ROWS else 1
+        threads = cpu.product_threads(m)
         status = self.lib.int8_gemm(self.qweight.data_ptr(), self.scales.data_ptr(), rows.data_ptr(),
                                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                     self.out_features, self.in_features, m, threads)  # fmt: skip

@@ -90,7 +90,7 @@ def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads, outputs):
     stay on one thread."""
     gen = torch.Generator().manual_seed(2)
     linear = Int4Linear.from_float(torch.randn(outputs, 512, generator=gen), torch.randn(outputs, generator=gen), LIB)
-    x = torch.randn(int4.SPLIT_MIN_ROWS + 5, 512, generator=gen)
+    x = torch.randn(cpu.SPLIT_MIN_ROWS + 5, 512, generator=gen)
     alone = linear(x)
     with cpu.team(threads, openmp=False):
         assert cpu.native_threads() == threads
