@@ -220,8 +220,9 @@ _local = threading.local()
 
 def native_threads() -> int:
     """The threads Kazeia's own multi-threaded kernels may take in the calling thread: its
-    `team`'s, else one."""
-    return getattr(_local, "threads", 1)
+    `team`'s (asked at each call where the team is a callable), else one."""
+    threads = getattr(_local, "threads", 1)
+    return threads() if callable(threads) else threads
 
 
 # Activation rows from which Kazeia's own products (int4.c, int8.c) split their weight rows over
@@ -235,9 +236,11 @@ def product_threads(rows: int) -> int:
 
 
 @contextlib.contextmanager
-def team(threads: int | None, openmp: bool = True) -> Iterator[None]:
+def team(threads: int | Callable[[], int] | None, openmp: bool = True) -> Iterator[None]:
     """Run the block's parallel work on `threads` threads, in the calling thread only: Kazeia's
-    own kernels (`native_threads`) and, with `openmp`, torch's parallel regions.
+    own kernels (`native_threads`) and, with `openmp`, torch's parallel regions. A callable is
+    asked for the count at each of Kazeia's products (OpenMP's team: once, here), so that a
+    prompt takes cores as they become free (kazeia/scheduler.py).
 
     OpenMP keeps the team size per thread: setting it here leaves other threads, and the count
     torch gives threads it starts later (`torch.set_num_threads`'s, process-wide), as they were;
@@ -249,10 +252,10 @@ def team(threads: int | None, openmp: bool = True) -> Iterator[None]:
         yield
         return
     set_team = _omp_set_num_threads() if openmp else None
-    before, native = torch.get_num_threads(), native_threads()  # first: torch's first call in a thread resets the team
+    before, native = torch.get_num_threads(), getattr(_local, "threads", 1)  # first: torch's first call resets the team
     _local.threads = threads
     if set_team is not None:
-        set_team(threads)
+        set_team(threads() if callable(threads) else threads)
     try:
         yield
     finally:

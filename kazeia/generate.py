@@ -69,7 +69,7 @@ def prefill(
     prompt: Prompt,
     opts: SamplingOptions,
     generator: torch.Generator | None,
-    prompt_threads: int | None = None,
+    prompt_threads: int | Callable[[], int] | None = None,
     openmp: bool = True,
 ):
     """The talker over the prompt, then the first frame: -> (Decoding, codes (1, 16) or None).

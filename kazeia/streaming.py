@@ -27,8 +27,9 @@ import numpy as np
 import torch
 
 from .runaway import CANCELLED, overall
+from .scheduler import LaneStopped
 from .speed import TimeStretch, output_length
-from .vocoder import Vocoder, VocoderState
+from .vocoder import Vocoder, VocoderState, no_pause
 
 if TYPE_CHECKING:
     from .scheduler import VocoderLanes
@@ -287,10 +288,13 @@ class SpeechStream:
         frames, self._pending = self._pending, []
         if frames:
             codes = torch.stack(frames)  # (n, 16)
-            with self._turn() as turn, torch.inference_mode():
-                if not turn:  # closed while waiting for the vocoder
-                    raise StopIteration
-                audio = self._vocoder.decode_chunk(codes, self._state)  # (n * 1920,)
+            try:
+                with self._turn() as pause, torch.inference_mode():
+                    if pause is None:  # closed while waiting for the vocoder
+                        raise StopIteration
+                    audio = self._vocoder.decode_chunk(codes, self._state, pause)  # (n * 1920,)
+            except LaneStopped:  # closed while a paused decode waited (its state is abandoned)
+                raise StopIteration from None
             samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
             self._codes.append(codes)
         else:  # the end became known only after the previous chunk went out
@@ -318,11 +322,12 @@ class SpeechStream:
             self._finish()
         return chunk
 
-    def _turn(self) -> AbstractContextManager[bool]:
-        """The vocoder's turn for the next chunk: at once, or a lane of the scheduler's when its
-        listener would run out of audio (played from the first chunk) soonest."""
+    def _turn(self) -> AbstractContextManager[Callable[[], None] | None]:
+        """The vocoder's turn for the next chunk, as its `pause`: at once (no pauses), or a lane of
+        the scheduler's when its listener would run out of audio (played from the first chunk)
+        soonest (VocoderLanes.turn)."""
         if self._lanes is None:
-            return nullcontext(True)
+            return nullcontext(no_pause)
         first = self._ttfb is None
         deadline = self._started if first else self._first_audio_at + self._samples / self._vocoder.cfg.sample_rate
         return self._lanes.turn(first, deadline, self._stop.is_set)

@@ -14,7 +14,7 @@ the layout its convolutions are fastest in (kazeia/conv.py).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -46,6 +46,10 @@ INTEGER_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8
 # Frames per decode_chunk call in `decode_blocks`: bounds memory and keeps activations in cache (the
 # fastest block size measured, docs/design.md). Never changes the audio.
 OFFLINE_BLOCK = 32
+
+
+def no_pause() -> None:
+    """Vocoder.decode_chunk's default `pause`: go on at once."""
 
 
 class WindowCache:
@@ -197,11 +201,12 @@ class DecoderBlock(nn.Module):
         units = [ResidualUnit(cout, d) for d in (1, 3, 9)]
         self.block = nn.ModuleList([SnakeBeta(cin), TimeMajorTransConv(cin, cout, 2 * rate, rate), *units])
 
-    def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        """x (B, L, C_in) -> (B, L*r, C_out)."""
+    def forward(self, x: torch.Tensor, state: VocoderState, pause: Callable[[], None] = no_pause) -> torch.Tensor:
+        """x (B, L, C_in) -> (B, L*r, C_out); `pause()` between its stages (Vocoder.decode_chunk)."""
         snake, up, *units = self.block
         x = up(x, state.tails, act=snake)
         for unit in units:
+            pause()
             x = unit(x, state)
         return x
 
@@ -287,8 +292,13 @@ class Vocoder(nn.Module):
         return VocoderState(tails=tails, caches=caches, position=0)
 
     @torch.no_grad()
-    def decode_chunk(self, codes: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        """The next n frames of a stream: codes (B, n, 16) or (n, 16) -> audio (B, n*1920) or (n*1920,)."""
+    def decode_chunk(
+        self, codes: torch.Tensor, state: VocoderState, pause: Callable[[], None] = no_pause
+    ) -> torch.Tensor:
+        """The next n frames of a stream: codes (B, n, 16) or (n, 16) -> audio (B, n*1920) or (n*1920,).
+        `pause()` is called between the decoder's ~20 stages (each at most ~17 ms of a 4-frame chunk
+        on one Zen 4 core): a scheduler's lanes may hand the core to more urgent work there
+        (kazeia/scheduler.py); whatever it does, the chunk's audio is the same."""
         codes, batched = self._check(codes)
         if codes.shape[0] != state.batch:
             raise ValueError(f"codes have batch {codes.shape[0]}, but the state was made for batch {state.batch}")
@@ -300,10 +310,13 @@ class Vocoder(nn.Module):
         x = self.pre_transformer(x, state.caches, state.position).transpose(1, 2)  # (B, latent, n)
         state.position += n
         for up, convnext in self.upsample:
+            pause()
             x = convnext(up(x, state.tails), state)  # (B, latent, 4n) after both stages
+        pause()
         x = self.decoder[0](x.transpose(1, 2), state.tails)  # (B, 4n, decoder_dim): time-major from here
         for block in self.decoder[1:-2]:
-            x = block(x, state)  # (B, n*1920, decoder_dim/16) after the last block
+            pause()
+            x = block(x, state, pause)  # (B, n*1920, decoder_dim/16) after the last block
         audio = self.decoder[-1](x, state.tails, act=self.decoder[-2])[..., 0].clamp(-1, 1)  # (B, n*1920)
         return audio if batched else audio[0]
 

@@ -381,8 +381,8 @@ def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
     lanes, stop, results = VocoderLanes(1), threading.Event(), []
 
     def wait(first: bool, stopped) -> None:
-        with lanes.turn(first, 0.0, stopped) as got:
-            results.append(got)
+        with lanes.turn(first, 0.0, stopped) as pause:
+            results.append(pause is not None)
 
     with lanes.turn(False, 0.0, lambda: False):
         quitter = threading.Thread(target=wait, args=(True, stop.is_set))  # first in line, then stopped
@@ -395,17 +395,90 @@ def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
     assert results == [False, True]
 
 
-def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed, monkeypatch):
+def test_a_decode_hands_its_lane_to_a_first_chunk_at_a_pause_and_gets_it_back():
+    """A later chunk's decode gives the lane up at its next pause point to a first chunk that waits
+    (and to no other), then resumes before the later chunks that queued after it; a first chunk's
+    own decode never pauses."""
+    from kazeia.scheduler import VocoderLanes
+
+    lanes, order, queued = VocoderLanes(1), [], threading.Event()
+
+    def decode(name: str, first: bool, deadline: float, stages: int = 3) -> None:
+        with lanes.turn(first, deadline, lambda: False) as pause:
+            for stage in range(stages):
+                order.append(f"{name}{stage}")
+                if name == "long" and stage == 0:
+                    queued.wait(5)  # the others have queued by now
+                pause()
+
+    long = threading.Thread(target=decode, args=("long", False, 1.0))
+    long.start()
+    while not order:
+        time.sleep(0.001)
+    others = [threading.Thread(target=decode, args=args) for args in (("later", False, 0.5), ("first", True, 9.0))]
+    for thread in others:
+        thread.start()
+        time.sleep(0.05)  # queued before the next
+    queued.set()
+    for thread in [long, *others]:
+        thread.join(5)
+    # "later" has an earlier deadline than "long", yet does not take its lane: only first chunks do
+    assert order == ["long0", "first0", "first1", "first2", "long1", "long2", "later0", "later1", "later2"]
+
+
+def test_a_paused_decode_of_a_stopped_stream_ends_without_its_lane():
+    from kazeia.scheduler import LaneStopped, VocoderLanes
+
+    lanes, stop, outcome, release = VocoderLanes(1), threading.Event(), [], threading.Event()
+
+    def decode() -> None:
+        try:
+            with lanes.turn(False, 0.0, stop.is_set) as pause:
+                while not lanes._waiting:  # the first chunk below has queued
+                    time.sleep(0.001)
+                pause()  # gives the lane up to it, is stopped while waiting for it back
+                outcome.append("decoded")
+        except LaneStopped:
+            outcome.append("stopped")
+
+    def first() -> None:
+        with lanes.turn(True, 0.0, lambda: False):
+            stop.set()
+            release.wait(5)
+
+    threads = [threading.Thread(target=decode), threading.Thread(target=first)]
+    threads[0].start()
+    while not lanes.decoding():
+        time.sleep(0.001)
+    threads[1].start()
+    threads[0].join(5)
+    release.set()
+    threads[1].join(5)
+    assert outcome == ["stopped"] and not lanes.decoding()
+    with lanes.turn(False, 0.0, lambda: False) as pause:  # the lane was given back once, not twice
+        assert pause is not None and lanes.decoding() and lanes._free == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("int8", marks=requires_int8)])
+def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed, monkeypatch, dtype):
     """Lanes idle (nothing decoding or waiting): a joining stream's prompt runs on the engine's
     prompt team, as a lone `Engine.stream`'s first prompt does; while a decode holds a lane, on
-    generation's own threads."""
+    generation's own threads. With Kazeia's own products (int8) the team is asked at each product,
+    so a prompt takes the second core as soon as the decode ends."""
     from kazeia import scheduler as scheduling
 
-    engine = typed("float32")
+    engine = typed(dtype)
     if engine.prompt_team is None:
         pytest.skip("one core per stage is all this machine has: no prompt team")
-    seen, prefill = [], generate.prefill
-    monkeypatch.setattr(scheduling.generate, "prefill", lambda *a: seen.append(a[4:]) or prefill(*a))
+    seen, teams, prefill = [], [], generate.prefill
+
+    def prefilled(*args):
+        threads, openmp = args[4:]
+        teams.append(threads)
+        seen.append((threads() if callable(threads) else threads, openmp))
+        return prefill(*args)
+
+    monkeypatch.setattr(scheduling.generate, "prefill", prefilled)
     with engine.scheduler(max_batch=2) as scheduler:
         assert scheduler.lanes.idle()
         _speak(scheduler.stream(TEXTS[0], voice="ryan", seed=1, max_new_tokens=3))
@@ -416,7 +489,10 @@ def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed,
             while len(seen) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
         _speak(stream)
-    assert seen == [engine.prompt_team, (None, True)]
+    if engine.prompt_team[1]:  # torch's threads: decided at the start
+        assert seen == [engine.prompt_team, (None, True)]
+    else:
+        assert seen == [engine.prompt_team, (1, False)] and teams[1]() == engine.prompt_team[0]
 
 
 def test_the_scheduler_runs_one_decode_at_a_time_with_one_lane(typed, monkeypatch):
@@ -424,16 +500,29 @@ def test_the_scheduler_runs_one_decode_at_a_time_with_one_lane(typed, monkeypatc
     vocoder, running, most = engine.vocoder, [0], [0]
     decode, lock = vocoder.decode_chunk, threading.Lock()
 
-    def counted(codes, state):
+    def enter() -> None:
         with lock:
             running[0] += 1
             most[0] = max(most[0], running[0])
+
+    def leave() -> None:
+        with lock:
+            running[0] -= 1
+
+    def counted(codes, state, pause):
+        def paused() -> None:  # a paused decode is not running (another may have its lane meanwhile)
+            leave()
+            try:
+                pause()
+            finally:
+                enter()
+
+        enter()
         try:
             time.sleep(0.005)  # widens any overlap
-            return decode(codes, state)
+            return decode(codes, state, paused)
         finally:
-            with lock:
-                running[0] -= 1
+            leave()
 
     monkeypatch.setattr(vocoder, "decode_chunk", counted)
     specs = [(TEXTS[i], 20 + 3 * i, 40 + i) for i in range(3)]

@@ -181,3 +181,16 @@ def test_a_team_is_the_calling_threads_alone():
     assert seen == {"inside": before + 1, "other": before, "after": before}
     with cpu.team(None):
         assert torch.get_num_threads() == before
+
+
+def test_a_team_given_as_a_callable_is_asked_at_each_product():
+    """A prompt's team can change size between its products (kazeia/scheduler.py): `native_threads`
+    asks the callable each time, in the calling thread only, and the block undoes it."""
+    sizes, seen = iter([3, 1, 2]), {}
+    with cpu.team(lambda: next(sizes), openmp=False):
+        assert [cpu.native_threads() for _ in range(3)] == [3, 1, 2]
+        other = threading.Thread(target=lambda: seen.setdefault("other", cpu.native_threads()))
+        other.start()
+        other.join()
+        assert cpu.product_threads(cpu.SPLIT_MIN_ROWS - 1) == 1  # a step's few rows: never asked
+    assert seen == {"other": 1} and cpu.native_threads() == 1

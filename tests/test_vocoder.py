@@ -146,6 +146,24 @@ def test_streaming_long_batch_and_constant_state(tiny: Setup):
     assert max_diff(torch.cat(pieces, dim=-1), tiny.vocoder(codes)) <= TOL
 
 
+def test_a_chunk_pauses_between_its_stages_and_its_audio_does_not_change(tiny: Setup):
+    """`pause` is called between the decoder's stages, once a stage, whatever it does meanwhile
+    (here: another stream decodes), and the audio is the chunk's own."""
+    codes, other = tiny.codes(1, 6, seed=3), tiny.codes(1, 24, seed=4)
+    alone = tiny.vocoder.decode_chunk(codes, tiny.vocoder.new_state(1))
+    interloper = tiny.vocoder.new_state(1)
+    calls = []
+
+    def pause() -> None:
+        calls.append(len(calls))
+        tiny.vocoder.decode_chunk(other[:, len(calls) - 1 : len(calls)], interloper)
+
+    paused = tiny.vocoder.decode_chunk(codes, tiny.vocoder.new_state(1), pause)
+    assert torch.equal(paused, alone)
+    blocks = len(tiny.cfg.upsample_rates)
+    assert len(calls) == len(tiny.cfg.upsampling_ratios) + 1 + blocks * 4  # each stage after the transformer
+
+
 def test_reference_chunked_decode(tiny: Setup):
     vocoder, spf = tiny.vocoder, tiny.cfg.samples_per_frame
     short = tiny.codes(1, 120, seed=7)
