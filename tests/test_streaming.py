@@ -84,10 +84,17 @@ def test_a_consumer_that_falls_behind_catches_up_in_longer_chunks(engines):
     assert np.max(np.abs(audio - offline.audio)) <= 1e-5
 
 
-def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines):
+def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines, monkeypatch):
     engine = engines["0.6B-custom"]
     options = dict(voice="serena", seed=4, max_new_tokens=30, ignore_eos=True)
     offline = engine.synthesize(TEXT, **options)
+    step = generate.decode_frame
+
+    def slow_step(*args):  # generation slower than the tiny vocoder by far: the consumer keeps up
+        time.sleep(0.05)
+        return step(*args)
+
+    monkeypatch.setattr(generate, "decode_frame", slow_step)
     chunks = _check_stream(engine.stream(TEXT, chunk_frames=3, max_chunk_frames=3, **options), offline)
     assert [c.frames for c in chunks[:3]] == [1, 2, 3] and {c.frames for c in chunks[2:-1]} == {3}
     with pytest.raises(ValueError, match="max_chunk_frames"):
