@@ -138,22 +138,23 @@ class VocoderLanes:
         if not got:
             yield None
             return
-        holding = [True]
+        holding = True
 
         def pause() -> None:
-            with self._cond:
+            nonlocal holding
+            with self._cond:  # a first chunk waits for a lane and none is free: it gets this one
                 if entry[0] == FIRST or self._free or not self._waiting or self._waiting[0][0] != FIRST:
                     return
                 self._give_back()
-                holding[0] = False
+                holding = False
                 if not self._take((RESUMED, *entry[1:]), stopped):
                     raise LaneStopped
-                holding[0] = True
+                holding = True
 
         try:
             yield pause
         finally:
-            if holding[0]:
+            if holding:
                 with self._cond:
                     self._give_back()
 
