@@ -117,11 +117,6 @@ class VocoderLanes:
         self._tickets = itertools.count()
         self._cond = threading.Condition()
 
-    def idle(self) -> bool:
-        """No decode running or waiting."""
-        with self._cond:
-            return self._free == self.lanes and not self._waiting
-
     def decoding(self) -> bool:
         """A decode holds a lane now."""
         return self._free < self.lanes

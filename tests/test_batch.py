@@ -461,7 +461,7 @@ def test_a_paused_decode_of_a_stopped_stream_ends_without_its_lane():
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("int8", marks=requires_int8)])
 def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed, monkeypatch, dtype):
-    """Lanes idle (nothing decoding or waiting): a joining stream's prompt runs on the engine's
+    """No decode holding a lane: a joining stream's prompt runs on the engine's
     prompt team, as a lone `Engine.stream`'s first prompt does; while a decode holds a lane, on
     generation's own threads. With Kazeia's own products (int8) the team is asked at each product,
     so a prompt takes the second core as soon as the decode ends."""
@@ -480,10 +480,10 @@ def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed,
 
     monkeypatch.setattr(scheduling.generate, "prefill", prefilled)
     with engine.scheduler(max_batch=2) as scheduler:
-        assert scheduler.lanes.idle()
+        assert not scheduler.lanes.decoding()
         _speak(scheduler.stream(TEXTS[0], voice="ryan", seed=1, max_new_tokens=3))
         with scheduler.lanes.turn(False, 0.0, lambda: False):  # a decode holds the only lane
-            assert not scheduler.lanes.idle()
+            assert scheduler.lanes.decoding()
             stream = scheduler.stream(TEXTS[1], voice="ryan", seed=2, max_new_tokens=3)  # its thread starts
             deadline = time.monotonic() + 10
             while len(seen) < 2 and time.monotonic() < deadline:
