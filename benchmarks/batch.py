@@ -15,7 +15,10 @@ stream, one client, no scheduler. `--vocoder-lanes`: the scheduler's (kazeia/sch
 value a row of its own (default: the scheduler's default). TTFB counts from the call (queue wait
 included); `ttfb_p95_later_s` leaves out each client's first request, the opening burst (with
 clients > 1). A stream is continuous when, played in real time from its first chunk after a 160 ms
-buffer, it never runs dry. Levels may repeat (`solo,4,solo,4`), to alternate them within one run.
+buffer, it never runs dry. `after_generation_share`: of the requests' wall time, the share after
+their generation ended (their audio still being decoded; such a stream is out of the batched
+steps, so a vocoder that lags makes the batches smaller). Levels may repeat (`solo,4,solo,4`), to
+alternate them within one run.
 """
 
 from __future__ import annotations
@@ -51,7 +54,13 @@ def one_stream(engine: Engine, scheduler, frames: int, seed: int, catch_up: int 
         samples += len(chunk.audio)
     ended = time.perf_counter() - called
     continuous = longest_wait(arrivals) == 0.0
-    return {"ttfb_s": arrivals[0][0], "audio_s": samples / RATE, "wall_s": ended, "continuous": continuous}
+    assert stream.metrics is not None and stream.metrics.generation_s is not None  # the last chunk is out
+    # the stream's own clock (it starts at the call, before this one reads it): its share after generation
+    after = (stream.metrics.wall_s - stream.metrics.generation_s) / stream.metrics.wall_s
+    return {
+        "ttfb_s": arrivals[0][0], "audio_s": samples / RATE, "wall_s": ended, "continuous": continuous,
+        "after_generation": after * ended,
+    }  # fmt: skip
 
 
 def run_level(
@@ -111,6 +120,9 @@ def run_level(
         "ttfb_p95_later_s": float(np.percentile(later, 95)) if len(later) else None,
         "continuity": sum(r["continuous"] for r in results) / len(results),
         "mean_batch": None if stats is None else stats.mean_batch,
+        # of the requests' wall time, the share after their generation ended (the vocoder catching
+        # up): a stream whose generation has ended is no longer in the batched steps
+        "after_generation_share": sum(r["after_generation"] for r in results) / sum(r["wall_s"] for r in results),
     }
 
 

@@ -267,6 +267,7 @@ class Engine:
                 frames.append(item)
                 if len(frames) == 1:
                     prefill_s = time.perf_counter() - start
+            generation_s: float | None = time.perf_counter() - start
             codes = torch.stack(frames)
             if ref is None:
                 audio = self.decode(codes, reference_chunked=True)
@@ -281,6 +282,7 @@ class Engine:
                 pieces = [chunk.audio for chunk in stream]
             assert stream.metrics is not None and stream.codes is not None  # the last chunk is out
             codes, prefill_s = torch.from_numpy(stream.codes), stream.metrics.prefill_s
+            generation_s = stream.metrics.generation_s
             segments = stream.segments
             if ref is not None and request.speed == 1.0:  # the reference samples the reference package's
                 pieces.insert(0, self._priming.lead(ref, codes.shape[0]))  # cut keeps (0 or 1), at speed 1
@@ -291,7 +293,9 @@ class Engine:
         wall = time.perf_counter() - start
         rate = self.vocoder.cfg.sample_rate
         audio_s = len(audio) / rate
-        metrics = Metrics(codes.shape[0], audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed)
+        metrics = Metrics(
+            codes.shape[0], audio_s, wall, wall / audio_s, prefill_s, wall, 1, request.seed, generation_s=generation_s
+        )
         return Speech(audio, rate, codes.cpu().numpy(), metrics, tuple(segments))
 
     def stream(

@@ -92,6 +92,9 @@ class Metrics:
     seed: int  # the seed that drove sampling (replays the same result)
     text_wait_frames: int = 0  # live text: decode steps that had to wait for more text
     first_text_to_audio_s: float | None = None  # live text: first text delta -> first audio chunk
+    # seconds from the call to the end of generation (its last frame, EOS or limit known); the
+    # rest of wall_s is the vocoder catching up (a stream's worker may run up to 64 frames ahead)
+    generation_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ class _Progress:
 
     frames = 0  # frames generated so far
     first_frame_at: float | None = None  # perf_counter() of the first frame
+    ended_at: float | None = None  # perf_counter() when the last item was generated
 
 
 def _generate(make_frames, frames_out: queue.Queue, stop: threading.Event, progress: _Progress) -> None:
@@ -156,6 +160,7 @@ def _generate(make_frames, frames_out: queue.Queue, stop: threading.Event, progr
                 progress.frames += 1
             if not _put(frames_out, frame, stop):
                 return
+        progress.ended_at = time.perf_counter()
         _put(frames_out, _DONE, stop)
     except BaseException as error:
         _put(frames_out, error, stop)
@@ -344,7 +349,10 @@ class SpeechStream:
             delay = None if first_text is None else self._first_audio_at - first_text
             live = {"text_wait_frames": self._live.waits, "first_text_to_audio_s": delay}
         ttfb = wall if self._ttfb is None else self._ttfb
-        self.metrics = Metrics(self._frames, audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live)
+        generation = (self._progress.ended_at or self._started + wall) - self._started
+        self.metrics = Metrics(
+            self._frames, audio_s, wall, rtf, prefill, ttfb, self._chunks, self._seed, **live, generation_s=generation
+        )
         self.close()
 
     def close(self) -> None:

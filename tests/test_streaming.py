@@ -40,6 +40,7 @@ def _check_stream(stream, offline):
     assert m.frames == len(offline.codes) and m.chunks == len(chunks)
     assert m.audio_s == pytest.approx(offline.metrics.audio_s)
     assert 0 < m.prefill_s <= m.ttfb_s <= m.wall_s and m.rtf == pytest.approx(m.wall_s / m.audio_s)
+    assert m.prefill_s <= m.generation_s <= m.wall_s
     return chunks
 
 
@@ -74,10 +75,15 @@ def test_a_consumer_that_falls_behind_catches_up_in_longer_chunks(engines):
     deadline = time.monotonic() + 30
     while stream.frames_generated < len(offline.codes) and time.monotonic() < deadline:
         time.sleep(0.01)  # the consumer is away: every frame is made and waits in the queue
+    time.sleep(0.2)  # the worker meets the token limit after the last frame
+    resumed = time.perf_counter()
     chunks = [first, *stream]
+    decoding_after = time.perf_counter() - resumed
     assert first.frames == 1  # the first chunk never grows: it is the latency
     assert len(offline.codes) == 59  # the last token never becomes a frame
     assert [c.frames for c in chunks[1:]] == [7] * 8 + [2]  # 58 waiting frames, 7 at a time
+    m = stream.metrics  # generation ended before the consumer came back: the rest was decoding
+    assert m.prefill_s <= m.generation_s <= m.wall_s - decoding_after
     assert ChunkSchedule(1, 2, 7).limit(1) == 7 and ChunkSchedule(1, 4).limit(1) == 2  # else the ramp
     np.testing.assert_array_equal(stream.codes, offline.codes)
     audio = np.concatenate([c.audio for c in chunks])
@@ -182,6 +188,8 @@ def test_reference_chunked_decode_option(engines):
     exact = engine.synthesize(TEXT, **options)
     chunked = engine.synthesize(TEXT, reference_chunked_decode=True, **options)
     np.testing.assert_array_equal(exact.codes, chunked.codes)
+    for m in (exact.metrics, chunked.metrics):  # all 330 frames come first, then the decode
+        assert m.prefill_s <= m.generation_s < m.wall_s
     cut = 300 * 1920
     assert exact.audio.shape == chunked.audio.shape == (330 * 1920,)
     assert np.max(np.abs(exact.audio[:cut] - chunked.audio[:cut])) <= 1e-5
