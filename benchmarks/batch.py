@@ -15,7 +15,10 @@ stream, one client, no scheduler. `--vocoder-lanes`: the scheduler's (kazeia/sch
 value a row of its own (default: the scheduler's default). TTFB counts from the call (queue wait
 included); `ttfb_p95_later_s` leaves out each client's first request, the opening burst (with
 clients > 1). A stream is continuous when, played in real time from its first chunk after a 160 ms
-buffer, it never runs dry. `after_generation_share`: of the requests' wall time, the share after
+buffer, it never runs dry. `aggregate_all_clients`: the aggregate while every client is still at
+it (from the last client's first request to the first client's last end; `all_clients_share` of
+the level's wall time), leaving out the level's end, when its last requests run with fewer
+neighbours. `after_generation_share`: of the requests' wall time, the share after
 their generation ended (their audio still being decoded; such a stream is out of the batched
 steps, so a vocoder that lags makes the batches smaller). Levels may repeat (`solo,4,solo,4`), to
 alternate them within one run.
@@ -47,10 +50,11 @@ def one_stream(engine: Engine, scheduler, frames: int, seed: int, catch_up: int 
     called = time.perf_counter()
     options = dict(voice="serena", seed=seed, max_new_tokens=frames + 1, ignore_eos=True, max_chunk_frames=catch_up)
     stream = scheduler.stream(TEXT, **options) if scheduler is not None else engine.stream(TEXT, **options)
-    arrivals, samples = [], 0
+    arrivals, samples, delivered = [], 0, []
     for chunk in stream:
         if chunk.frames:
             arrivals.append((time.perf_counter() - called, samples / RATE))
+            delivered.append((time.perf_counter(), len(chunk.audio) / RATE))
         samples += len(chunk.audio)
     ended = time.perf_counter() - called
     continuous = longest_wait(arrivals) == 0.0
@@ -59,7 +63,7 @@ def one_stream(engine: Engine, scheduler, frames: int, seed: int, catch_up: int 
     after = (stream.metrics.wall_s - stream.metrics.generation_s) / stream.metrics.wall_s
     return {
         "ttfb_s": arrivals[0][0], "audio_s": samples / RATE, "wall_s": ended, "continuous": continuous,
-        "after_generation": after * ended,
+        "after_generation": after * ended, "called": called, "ended": called + ended, "delivered": delivered,
     }  # fmt: skip
 
 
@@ -87,7 +91,7 @@ def run_level(
         time.sleep(local.uniform(0, gap if ramp is None else ramp))
         for k, n in enumerate(plan[index]):
             got = one_stream(engine, scheduler, n, seed=100 * index + k, catch_up=catch_up)
-            got["opening"] = k == 0
+            got["opening"], got["client"] = k == 0, index
             with lock:
                 results.append(got)
             time.sleep(local.expovariate(1 / gap))
@@ -105,6 +109,11 @@ def run_level(
     ttfb = np.array([r["ttfb_s"] for r in results])
     later = np.array([r["ttfb_s"] for r in results if not r["opening"]]) if clients > 1 else ttfb
     rtf = np.array([r["wall_s"] / r["audio_s"] for r in results])
+    # while every client is still at it: from the last client's first call to the first client's last end
+    ranges = [[r for r in results if r["client"] == c] for c in range(clients)]
+    start = max(min(r["called"] for r in mine) for mine in ranges)
+    end = min(max(r["ended"] for r in mine) for mine in ranges)
+    within = sum(seconds for r in results for at, seconds in r["delivered"] if start <= at <= end)
     return {
         "concurrency": concurrency,
         "vocoder_lanes": None if scheduler is None else scheduler.lanes.lanes,
@@ -112,6 +121,9 @@ def run_level(
         "audio_s": sum(r["audio_s"] for r in results),
         "wall_s": wall,
         "aggregate": sum(r["audio_s"] for r in results) / wall,
+        # the same while all clients run (the level's end has fewer: its last requests finish alone)
+        "aggregate_all_clients": within / (end - start) if end > start else None,
+        "all_clients_share": max(0.0, end - start) / wall,
         "rtf_p50": float(np.percentile(rtf, 50)),
         "rtf_p95": float(np.percentile(rtf, 95)),
         "ttfb_p50_s": float(np.percentile(ttfb, 50)),

@@ -377,7 +377,7 @@ class Engine:
         if scheduler is None:
             frames = lambda stop: self._timeline(request, _either(stop, should_stop), self._alone, generate.SOLO)  # noqa: E731
         try:
-            return SpeechStream(
+            stream = SpeechStream(
                 frames,
                 self.vocoder,
                 schedule or ChunkSchedule(),
@@ -393,6 +393,9 @@ class Engine:
             self._running.leave()
             getattr(frames, "release", lambda: None)()
             raise
+        if scheduler is not None:
+            frames.pace(stream.needs_frames)  # type: ignore[attr-defined]
+        return stream
 
     def request(
         self,
@@ -518,13 +521,16 @@ class Engine:
         max_queue: int = 16,
         on_step: Callable[[int], None] | None = None,
         vocoder_lanes: int | None = None,
+        spare_lanes: int = 1,
     ) -> Scheduler:
         """A scheduler generating up to `max_batch` streams of this engine together (one batched
         frame step for all: kazeia/scheduler.py), `max_queue` more waiting first come first served.
         Each stream's codes and audio do not depend on the others. Close it when done. `on_step`:
         called with each step's number of streams. `vocoder_lanes`: how many of its streams'
-        vocoders decode at once (None: as many as fit beside generation's threads, at least one)."""
-        return Scheduler(self, max_batch, max_queue, on_step, vocoder_lanes)
+        vocoders decode at once (None: as many as fit beside generation's threads, at least one);
+        `spare_lanes`: how many more may decode on generation's own cores while it has nothing to
+        run (0: none)."""
+        return Scheduler(self, max_batch, max_queue, on_step, vocoder_lanes, spare_lanes)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:

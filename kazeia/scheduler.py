@@ -32,6 +32,15 @@ the decodes for prompts as well gave first audio ~25 % sooner at the median but 
 throughput: the vocoder is the slower stage at 4 streams on 2 cores.) The turns change when audio
 is made, never which: each stream's chunks and audio are those it would have alone.
 
+Generation is paced to the vocoders. A stream is stepped while its vocoder is short of frames
+(fewer made and not yet decoding than its next two chunks take: SpeechStream.needs_frames); while
+no waiting stream is, the steps wait (a prefill or a cancelled stream's step never does), and then
+all waiting streams step together. Unpaced, generation ran ahead of the slower vocoder and each
+stream left the batched steps long before its audio was out (with 4 clients on 2 cores, ~20 % of
+each request's time), so the steps were smaller and cost more a frame. While generation waits, its
+own cores decode as well: a spare lane (`VocoderLanes`'s `spare`) takes a chunk only then, and its
+decode stops at its next pause point while a step or a prompt runs, or moves to a lane that frees.
+
 Non-goals: priorities between requests, and batching prompts (each prefill runs alone, between
 steps).
 """
@@ -66,6 +75,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GRACE_S = 0.005  # how long a step waits for a stream of the previous step that has not resubmitted yet
+PACE_POLL_S = 0.005  # how often waiting steps look whether a stream's vocoder now needs frames
 RECENT = 1024  # queue waits kept for the statistics
 
 
@@ -99,6 +109,8 @@ class LaneStopped(Exception):
 
 # Who goes first for a lane: a first chunk, a decode that paused (its chunk half done), the others.
 FIRST, RESUMED, LATER = 0, 1, 2
+LANE, SPARE = "lane", "spare"  # what a decode holds: one of the lanes, or a spare one (generation's cores)
+POLL_S = 0.05  # how often a wait for a lane looks at its stream's stop flag
 
 
 class VocoderLanes:
@@ -108,18 +120,29 @@ class VocoderLanes:
     decode_chunk`'s `pause`, every ~17 ms or less) to a first chunk that waits for one, and gets it
     back before the decodes that have not started."""
 
-    def __init__(self, lanes: int):
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
-            raise ValueError(f"vocoder_lanes must be an integer >= 1, got {lanes!r}")
-        self.lanes = lanes
-        self._free = lanes
+    def __init__(self, lanes: int, spare: int = 0):
+        for name, value, least in (("vocoder_lanes", lanes, 1), ("spare_lanes", spare, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        self.lanes, self.spare = lanes, spare
+        self._free, self._spare_free = lanes, spare
+        self._generating = True  # generation holds the spare lanes' cores (`generating`)
         self._waiting: list[tuple[int, float, int]] = []  # a heap of (FIRST, RESUMED or LATER, deadline, ticket)
         self._tickets = itertools.count()
         self._cond = threading.Condition()
 
     def decoding(self) -> bool:
-        """A decode holds a lane now."""
+        """A decode holds a lane now (a spare one does not count: it waits while a prompt runs)."""
         return self._free < self.lanes
+
+    def generating(self, busy: bool) -> None:
+        """Generation (the scheduler's thread) has work now (True) or waits for some (False). The
+        spare lanes decode only while it waits: a decode on one stops at its next pause point
+        while generation runs, until it waits again or a lane frees (the decode moves there)."""
+        with self._cond:
+            if self._generating != busy:
+                self._generating = busy
+                self._cond.notify_all()
 
     @contextmanager
     def turn(self, first: bool, deadline: float, stopped: Callable[[], bool]) -> Iterator[Callable[[], None] | None]:
@@ -129,49 +152,71 @@ class VocoderLanes:
         waiting (polled), so a closed stream's consumer does not wait its turn."""
         entry = (FIRST if first else LATER, deadline, next(self._tickets))
         with self._cond:
-            got = self._take(entry, stopped)
-        if not got:
+            held = self._take(entry, stopped)
+        if held is None:
             yield None
             return
-        holding = True
 
         def pause() -> None:
-            nonlocal holding
-            with self._cond:  # a first chunk waits for a lane and none is free: it gets this one
+            nonlocal held
+            with self._cond:
+                if held == SPARE:  # generation has this core back: wait for it, or for a lane
+                    while self._generating and not self._lane_for_resumed():
+                        if stopped():
+                            self._give_back(held)
+                            held = None
+                            raise LaneStopped
+                        self._cond.wait(POLL_S)
+                    if self._generating:
+                        self._spare_free += 1
+                        self._free -= 1
+                        held = LANE
+                    return
+                # a first chunk waits for a lane and none is free: it gets this one
                 if entry[0] == FIRST or self._free or not self._waiting or self._waiting[0][0] != FIRST:
                     return
-                self._give_back()
-                holding = False
-                if not self._take((RESUMED, *entry[1:]), stopped):
+                self._give_back(held)
+                held = self._take((RESUMED, *entry[1:]), stopped)
+                if held is None:
                     raise LaneStopped
-                holding = True
 
         try:
             yield pause
         finally:
-            if holding:
+            if held is not None:
                 with self._cond:
-                    self._give_back()
+                    self._give_back(held)
 
-    def _take(self, entry: tuple[int, float, int], stopped: Callable[[], bool]) -> bool:
-        """Queue `entry` and wait (holding the condition) for its lane; False if stopped meanwhile."""
+    def _take(self, entry: tuple[int, float, int], stopped: Callable[[], bool]) -> str | None:
+        """Queue `entry` and wait (holding the condition) for a lane, or a spare one while generation
+        waits; LANE or SPARE, or None if stopped meanwhile."""
         heapq.heappush(self._waiting, entry)
         try:
             while True:
-                if self._free and self._waiting[0] is entry:
+                if self._waiting[0] is entry and (self._free or (self._spare_free and not self._generating)):
                     heapq.heappop(self._waiting)
-                    self._free -= 1
-                    return True
+                    if self._free:
+                        self._free -= 1
+                        return LANE
+                    self._spare_free -= 1
+                    return SPARE
                 if stopped():
                     self._waiting.remove(entry)
                     heapq.heapify(self._waiting)
-                    return False
-                self._cond.wait(0.05)
+                    return None
+                self._cond.wait(POLL_S)
         finally:
             self._cond.notify_all()  # the next in line may go now (a second free lane, or this one's place)
 
-    def _give_back(self) -> None:
-        self._free += 1
+    def _lane_for_resumed(self) -> bool:
+        """Is a lane free that no first chunk waits for (a decode under way may take it)?"""
+        return self._free > 0 and not (self._waiting and self._waiting[0][0] == FIRST)
+
+    def _give_back(self, held: str) -> None:
+        if held == LANE:
+            self._free += 1
+        else:
+            self._spare_free += 1
         self._cond.notify_all()
 
 
@@ -194,6 +239,8 @@ class _Ticket:
 
     def __init__(self) -> None:
         self.should_stop: Callable[[], bool] = lambda: False  # set when its stream starts
+        # whether its stream's vocoder is short of frames (SpeechStream.needs_frames), once it is made
+        self.needs_frames: Callable[[], bool] = lambda: True
         self.queued_at = time.perf_counter()
         self.admitted = False
 
@@ -225,15 +272,18 @@ class Scheduler:
         max_queue: int = 16,
         on_step: Callable[[int], None] | None = None,
         vocoder_lanes: int | None = None,
+        spare_lanes: int = 1,
     ):
         """`on_step(size)`: called after each batched step with its number of streams (metrics).
         `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); None: as many as fit
         beside generation's threads (torch's thread count, which each decode also takes) on the
-        cores this process may use, at least one: one where each stage has half the cores."""
+        cores this process may use, at least one: one where each stage has half the cores.
+        `spare_lanes`: decodes that may run, besides, on generation's own cores while it has
+        nothing to run (0: none)."""
         if vocoder_lanes is None:  # the cores that generation's threads leave, each decode taking as many
             threads = torch.get_num_threads()
             vocoder_lanes = max(1, (cpu.usable_cpus() - threads) // threads)
-        self.lanes = VocoderLanes(vocoder_lanes)
+        self.lanes = VocoderLanes(vocoder_lanes, spare_lanes)
         batch = Batch(engine.model)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= batch.max_batch:
             raise ValueError(f"max_batch must be an integer from 1 to {batch.max_batch}, got {max_batch!r}")
@@ -277,6 +327,7 @@ class Scheduler:
             return self._admitted(ticket, request)
 
         make_frames.release = lambda: self._release(ticket)  # type: ignore[attr-defined]
+        make_frames.pace = lambda needs_frames: setattr(ticket, "needs_frames", needs_frames)  # type: ignore[attr-defined]
         return make_frames
 
     def _admitted(self, ticket: _Ticket, request: Request) -> Iterator[torch.Tensor | Segment]:
@@ -374,7 +425,7 @@ class Scheduler:
         previous: set[_Ticket] = set()  # the streams that got a frame from the last step
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._pending or self._closed)
+                self._idle(lambda: bool(self._pending) or self._closed)
                 if self._closed:
                     for work in self._pending:
                         work.finish(error=SchedulerClosed("the scheduler was closed"))
@@ -384,12 +435,31 @@ class Scheduler:
                 if self._urgent:  # a stream's own work goes first (`_exclusive`), then its prefill may follow
                     self._lock.wait_for(lambda: not self._urgent or self._closed)
                     self._lock.wait_for(self._prefill_waiting, GRACE_S)
+                self._idle(self._due)
                 prefills = [w for w in self._pending if w.prefill is not None]
                 decodes = [w for w in self._pending if w.decode is not None]
                 self._pending = []
+                self.lanes.generating(True)
             for work in prefills:
                 self._prefill(work)
             previous = self._decode(decodes) if decodes else set()
+
+    def _idle(self, until: Callable[[], bool]) -> None:
+        """Wait (holding the lock) until `until()`, the spare lanes decoding meanwhile. Polls: a
+        stream's need of frames changes without a notice."""
+        if until():
+            return
+        self.lanes.generating(False)
+        while not until():
+            self._lock.wait(PACE_POLL_S)
+
+    def _due(self) -> bool:
+        """Is the waiting work to run now? A prefill always is (a stream waits for its first audio);
+        steps when a stream's vocoder is short of frames (SpeechStream.needs_frames), or one was
+        cancelled (its step is dropped at once). Otherwise generation waits and its cores decode."""
+        if self._closed:
+            return True
+        return any(w.prefill is not None or w.owner.should_stop() or w.owner.needs_frames() for w in self._pending)
 
     def _resubmitted(self, previous: set[_Ticket]) -> bool:
         """Has every stream of the last step submitted its next one (or the scheduler closed)?"""

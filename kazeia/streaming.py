@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .scheduler import VocoderLanes
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
+PACE_CHUNKS = 2  # a scheduled stream is stepped while fewer than this many of its chunks are ready
 _DONE = object()
 
 
@@ -216,6 +217,7 @@ class SpeechStream:
         # The frames already decoded, one (n, 16) tensor a chunk (128 bytes a frame, not an object each).
         self._codes: list[torch.Tensor] = []
         self._frames = 0
+        self._handed = 0  # frames given to the vocoder so far (their chunks' decodes have started)
         self._lookahead = None  # an item taken from the queue early, to mark the last chunk
         self._chunks = self._samples = 0
         self._ttfb: float | None = None
@@ -238,6 +240,13 @@ class SpeechStream:
     def frames_generated(self) -> int:
         """Frames the worker has produced so far (it may run ahead of the chunks yielded)."""
         return self._progress.frames
+
+    def needs_frames(self) -> bool:
+        """Is the vocoder short of frames: fewer made and not yet decoding than its next two
+        chunks may take (`ChunkSchedule.limit`: with `max_chunk_frames`, as many as it lets a chunk
+        catch up with)? A scheduler steps a stream's generation while it is (kazeia/scheduler.py):
+        more would only wait in the queue, and leave the batched steps early."""
+        return self._progress.frames - self._handed < PACE_CHUNKS * self._schedule.limit(self._chunks)
 
     def __iter__(self) -> SpeechStream:
         return self
@@ -291,6 +300,7 @@ class SpeechStream:
 
     def _emit(self, is_last: bool) -> AudioChunk:
         frames, self._pending = self._pending, []
+        self._handed += len(frames)
         if frames:
             codes = torch.stack(frames)  # (n, 16)
             try:

@@ -495,6 +495,80 @@ def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed,
         assert seen == [engine.prompt_team, (1, False)] and teams[1]() == engine.prompt_team[0]
 
 
+def test_a_spare_lane_decodes_only_while_generation_waits():
+    """A spare lane (generation's own core) is taken only while generation has nothing to run; a
+    decode on it stops at its next pause point when generation has work again, and goes on when
+    generation waits again or a lane frees (the decode then holds that lane)."""
+    from kazeia.scheduler import LaneStopped, VocoderLanes
+
+    with pytest.raises(ValueError, match="spare_lanes"):
+        VocoderLanes(1, -1)
+    lanes, events, release, resumed = VocoderLanes(1, spare=1), [], threading.Event(), threading.Event()
+
+    def spare_decode() -> None:
+        with lanes.turn(False, 0.0, lambda: False) as pause:
+            events.append("took")
+            pause()  # generation still waits: goes on
+            events.append("stage 1")
+            release.wait(5)  # generation has work again by now
+            pause()  # waits for it to end, or for a lane
+            events.append("stage 2")
+            resumed.set()
+
+    with lanes.turn(False, 0.0, lambda: False):  # the one lane is taken
+        thread = threading.Thread(target=spare_decode)
+        thread.start()
+        time.sleep(0.1)
+        assert events == []  # generation runs (the default): the spare lane is its core
+        lanes.generating(False)
+        while len(events) < 2:
+            time.sleep(0.001)
+        assert events == ["took", "stage 1"] and lanes._spare_free == 0
+        lanes.generating(True)
+        release.set()
+        assert not resumed.wait(0.2)  # stopped at the pause while generation runs
+    assert resumed.wait(5) and events[-1] == "stage 2"  # the lane freed: it went on there
+    thread.join(5)
+    assert not lanes.decoding() and lanes._free == 1 and lanes._spare_free == 1
+    stop = threading.Event()
+    lanes.generating(False)
+    with pytest.raises(LaneStopped):  # stopped while waiting on its spare lane: nothing is held after
+        with lanes.turn(False, 0.0, lambda: False), lanes.turn(False, 0.0, stop.is_set) as pause:
+            lanes.generating(True)
+            stop.set()
+            pause()
+    assert lanes._free == 1 and lanes._spare_free == 1
+
+
+def test_a_scheduled_stream_generates_only_what_its_vocoder_needs_soon(typed):
+    """A scheduled stream is stepped while fewer frames than its next two chunks take are made and
+    not yet decoding: with its consumer away it stops there (alone it would run 64 frames ahead),
+    and goes on when the consumer comes back; the codes and audio are those of the stream alone."""
+    from kazeia.streaming import PACE_CHUNKS
+
+    engine = typed("float32")
+    options = dict(voice="serena", seed=3, max_new_tokens=40, ignore_eos=True)
+    with engine.scheduler(max_batch=2) as scheduler:
+        stream = scheduler.stream(TEXTS[0], **options)
+        chunks = [next(stream)]  # 1 frame; the next chunk takes 2
+        time.sleep(0.5)  # the consumer is away
+        made = stream.frames_generated
+        chunks += list(stream)
+    assert made == 1 + PACE_CHUNKS * 2
+    assert sum(c.frames for c in chunks) == 39
+    alone = engine.stream(TEXTS[0], **options)
+    audio = np.concatenate([c.audio for c in alone])
+    assert np.array_equal(stream.codes, alone.codes) and np.array_equal(
+        np.concatenate([c.audio for c in chunks]), audio
+    )
+    with engine.scheduler(max_batch=2) as scheduler:  # a chunk that may catch up with 7 frames: 2 x 7 ready
+        stream = scheduler.stream(TEXTS[0], chunk_frames=2, max_chunk_frames=7, **options)
+        next(stream)
+        time.sleep(0.5)
+        assert stream.frames_generated == 1 + PACE_CHUNKS * 7
+        assert [c.frames for c in stream][:2] == [7, 7]  # it catches up, as a stream alone would
+
+
 def test_the_scheduler_runs_one_decode_at_a_time_with_one_lane(typed, monkeypatch):
     engine = typed("float32")
     vocoder, running, most = engine.vocoder, [0], [0]
@@ -526,7 +600,7 @@ def test_the_scheduler_runs_one_decode_at_a_time_with_one_lane(typed, monkeypatc
 
     monkeypatch.setattr(vocoder, "decode_chunk", counted)
     specs = [(TEXTS[i], 20 + 3 * i, 40 + i) for i in range(3)]
-    with engine.scheduler(max_batch=3, vocoder_lanes=1) as scheduler:
+    with engine.scheduler(max_batch=3, vocoder_lanes=1, spare_lanes=0) as scheduler:
         streams = [
             scheduler.stream(text, voice="serena", seed=seed, max_new_tokens=n, ignore_eos=True)
             for text, n, seed in specs
