@@ -137,8 +137,9 @@ class VocoderLanes:
 
     def generating(self, busy: bool) -> None:
         """Generation (the scheduler's thread) has work now (True) or waits for some (False). The
-        spare lanes decode only while it waits: a decode on one stops at its next pause point
-        while generation runs, until it waits again or a lane frees (the decode moves there)."""
+        spare lanes decode only while it waits: a decode on one (other than a first chunk's) stops
+        at its next pause point while generation runs, until it waits again or a lane frees (the
+        decode moves there)."""
         with self._cond:
             if self._generating != busy:
                 self._generating = busy
@@ -161,6 +162,8 @@ class VocoderLanes:
             nonlocal held
             with self._cond:
                 if held == SPARE:  # generation has this core back: wait for it, or for a lane
+                    if entry[0] == FIRST:  # except a first chunk (short; its listener hears nothing yet)
+                        return
                     while self._generating and not self._lane_for_resumed():
                         if stopped():
                             self._give_back(held)

@@ -538,6 +538,11 @@ def test_a_spare_lane_decodes_only_while_generation_waits():
             stop.set()
             pause()
     assert lanes._free == 1 and lanes._spare_free == 1
+    lanes.generating(False)
+    with lanes.turn(False, 0.0, lambda: False), lanes.turn(True, 0.0, lambda: False) as pause:
+        lanes.generating(True)  # a first chunk on the spare lane goes on all the same
+        pause()
+        assert lanes._spare_free == 0
 
 
 def test_a_scheduled_stream_generates_only_what_its_vocoder_needs_soon(typed):
