@@ -39,7 +39,8 @@ all waiting streams step together. Unpaced, generation ran ahead of the slower v
 stream left the batched steps long before its audio was out (with 4 clients on 2 cores, ~20 % of
 each request's time), so the steps were smaller and cost more a frame. While generation waits, its
 own cores decode as well: a spare lane (`VocoderLanes`'s `spare`) takes a chunk only then, and its
-decode stops at its next pause point while a step or a prompt runs, or moves to a lane that frees.
+decode (unless a first chunk's) stops at its next pause point while a step or a prompt runs, or
+moves to a lane that frees.
 
 Non-goals: priorities between requests, and batching prompts (each prefill runs alone, between
 steps).
