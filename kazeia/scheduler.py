@@ -429,7 +429,7 @@ class Scheduler:
         previous: set[_Ticket] = set()  # the streams that got a frame from the last step
         while True:
             with self._lock:
-                self._idle(lambda: bool(self._pending) or self._closed)
+                self._idle(lambda: bool(self._pending) or self._closed, poll=None)  # submissions notify
                 if self._closed:
                     for work in self._pending:
                         work.finish(error=SchedulerClosed("the scheduler was closed"))
@@ -439,7 +439,7 @@ class Scheduler:
                 if self._urgent:  # a stream's own work goes first (`_exclusive`), then its prefill may follow
                     self._lock.wait_for(lambda: not self._urgent or self._closed)
                     self._lock.wait_for(self._prefill_waiting, GRACE_S)
-                self._idle(self._due)
+                self._idle(self._due, poll=PACE_POLL_S)  # a stream's need of frames changes without a notice
                 prefills = [w for w in self._pending if w.prefill is not None]
                 decodes = [w for w in self._pending if w.decode is not None]
                 self._pending = []
@@ -448,14 +448,14 @@ class Scheduler:
                 self._prefill(work)
             previous = self._decode(decodes) if decodes else set()
 
-    def _idle(self, until: Callable[[], bool]) -> None:
-        """Wait (holding the lock) until `until()`, the spare lanes decoding meanwhile. Polls: a
-        stream's need of frames changes without a notice."""
+    def _idle(self, until: Callable[[], bool], poll: float | None) -> None:
+        """Wait (holding the lock) until `until()`, the spare lanes decoding meanwhile; looking
+        again at each notice, and every `poll` seconds when given."""
         if until():
             return
         self.lanes.generating(False)
         while not until():
-            self._lock.wait(PACE_POLL_S)
+            self._lock.wait(poll)
 
     def _due(self) -> bool:
         """Is the waiting work to run now? A prefill always is (a stream waits for its first audio);

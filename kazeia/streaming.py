@@ -94,7 +94,8 @@ class Metrics:
     text_wait_frames: int = 0  # live text: decode steps that had to wait for more text
     first_text_to_audio_s: float | None = None  # live text: first text delta -> first audio chunk
     # seconds from the call to the end of generation (its last frame, EOS or limit known); the
-    # rest of wall_s is the vocoder catching up (a stream's worker may run up to 64 frames ahead)
+    # rest of wall_s is the vocoder catching up (a stream's worker runs up to 64 frames ahead, a
+    # scheduled one two chunks: SpeechStream.needs_frames)
     generation_s: float | None = None
 
 
@@ -216,8 +217,7 @@ class SpeechStream:
         self._pending: list[torch.Tensor] = []  # frames waiting for their chunk
         # The frames already decoded, one (n, 16) tensor a chunk (128 bytes a frame, not an object each).
         self._codes: list[torch.Tensor] = []
-        self._frames = 0
-        self._handed = 0  # frames given to the vocoder so far (their chunks' decodes have started)
+        self._frames = 0  # frames given to the vocoder so far (counted as each chunk's decode starts)
         self._lookahead = None  # an item taken from the queue early, to mark the last chunk
         self._chunks = self._samples = 0
         self._ttfb: float | None = None
@@ -246,7 +246,7 @@ class SpeechStream:
         chunks may take (`ChunkSchedule.limit`: with `max_chunk_frames`, as many as it lets a chunk
         catch up with)? A scheduler steps a stream's generation while it is (kazeia/scheduler.py):
         more would only wait in the queue, and leave the batched steps early."""
-        return self._progress.frames - self._handed < PACE_CHUNKS * self._schedule.limit(self._chunks)
+        return self._progress.frames - self._frames < PACE_CHUNKS * self._schedule.limit(self._chunks)
 
     def __iter__(self) -> SpeechStream:
         return self
@@ -300,7 +300,7 @@ class SpeechStream:
 
     def _emit(self, is_last: bool) -> AudioChunk:
         frames, self._pending = self._pending, []
-        self._handed += len(frames)
+        self._frames += len(frames)  # before the decode: `needs_frames` is asked from another thread
         if frames:
             codes = torch.stack(frames)  # (n, 16)
             try:
@@ -327,7 +327,6 @@ class SpeechStream:
         chunk = AudioChunk(samples, self._samples, len(frames), is_last, ended)
         self.segments += ended
         self._ended = [segment for segment, done in zip(self._ended, complete, strict=True) if not done]
-        self._frames += len(frames)
         self._chunks += 1
         self._samples += len(samples)
         if self._ttfb is None:
