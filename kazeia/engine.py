@@ -522,6 +522,7 @@ class Engine:
         on_step: Callable[[int], None] | None = None,
         vocoder_lanes: int | None = None,
         spare_lanes: int = 1,
+        prompts_at_once: int | None = None,
     ) -> Scheduler:
         """A scheduler generating up to `max_batch` streams of this engine together (one batched
         frame step for all: kazeia/scheduler.py), `max_queue` more waiting first come first served.
@@ -529,8 +530,10 @@ class Engine:
         called with each step's number of streams. `vocoder_lanes`: how many of its streams'
         vocoders decode at once (None: as many as fit beside generation's threads, at least one);
         `spare_lanes`: how many more may decode on generation's own cores while it has nothing to
-        run (0: none)."""
-        return Scheduler(self, max_batch, max_queue, on_step, vocoder_lanes, spare_lanes)
+        run (0: none). `prompts_at_once`: how many prompts that wait together run side by side
+        (None: as many as the prompt team holds stages' threads, two by default; 1: one after the
+        other)."""
+        return Scheduler(self, max_batch, max_queue, on_step, vocoder_lanes, spare_lanes, prompts_at_once)
 
     @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:

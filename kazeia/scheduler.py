@@ -3,12 +3,12 @@
 A `Scheduler` owns the frame steps of an engine's streams (`engine.scheduler(max_batch=...)`).
 Each stream keeps its own thread, frame generator, vocoder state and chunk queue (SpeechStream);
 only its steps go elsewhere: to the scheduler's thread, which at every frame boundary runs the
-waiting prefills (joining requests: each its prompt and its first frame, one after the other) and
-then one batched step (kazeia/batch.py) for every active stream whose next step is waiting. All
+waiting prefills (joining requests: each its prompt and its first frame; several side by side,
+below) and then one batched step (kazeia/batch.py) for every active stream whose next step is waiting. All
 waiting prompts go first: a joining stream has no audio yet, a running one has its buffer (with 4
 clients arriving together, first audio at p95 came ~25 % sooner than with one prompt a boundary,
 at the same throughput: BENCHMARKS.md). A prompt runs on the engine's prompt team (every core)
-while no stream's audio is being decoded, else on generation's threads. A stream waiting for live
+while no stream's audio is being decoded and no other prompt runs, else on generation's threads. A stream waiting for live
 text, or for its consumer to take audio, simply has no step waiting: the others go on without it.
 A stream that ends (EOS, its limits, cancellation) stops submitting; nothing else changes.
 
@@ -42,7 +42,13 @@ own cores decode as well: a spare lane (`VocoderLanes`'s `spare`) takes a chunk 
 decode (unless a first chunk's) stops at its next pause point while a step or a prompt runs, or
 moves to a lane that frees.
 
-Non-goals: priorities between requests, and batching prompts (each prefill runs alone, between
+Prompts that wait at the same frame boundary run side by side (`prompts_at_once`, by default as
+many as the prompt team holds stages' threads: two where each stage has half the cores), each on
+its share of the cores: a prompt's glue between products and its first frame run on one thread, so
+one prompt on two threads was only ~1.4x as fast as on one, and two side by side finished ~30 %
+sooner than one after the other.
+
+Non-goals: priorities between requests, and batching prompts (each prefill is its own, between
 steps).
 """
 
@@ -55,6 +61,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -76,6 +83,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 GRACE_S = 0.005  # how long a step waits for a stream of the previous step that has not resubmitted yet
+# how long a step waits, after streams' own work (their prompts), for a prefill to follow: Python
+# hands the interpreter between threads every 5 ms (sys.getswitchinterval), so a stream that has
+# just built its prompt may take longer than GRACE_S to submit it, and would wait a whole step
+PROMPT_GRACE_S = 0.02
 PACE_POLL_S = 0.005  # how often waiting steps look whether a stream's vocoder now needs frames
 RECENT = 1024  # queue waits kept for the statistics
 
@@ -277,13 +288,16 @@ class Scheduler:
         on_step: Callable[[int], None] | None = None,
         vocoder_lanes: int | None = None,
         spare_lanes: int = 1,
+        prompts_at_once: int | None = None,
     ):
         """`on_step(size)`: called after each batched step with its number of streams (metrics).
         `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); None: as many as fit
         beside generation's threads (torch's thread count, which each decode also takes) on the
         cores this process may use, at least one: one where each stage has half the cores.
         `spare_lanes`: decodes that may run, besides, on generation's own cores while it has
-        nothing to run (0: none)."""
+        nothing to run (0: none). `prompts_at_once`: how many prompts that wait at one frame
+        boundary run side by side (`_prefill_all`); None: as many as the engine's prompt team holds
+        stages' threads (two where each stage has half the cores), 1: one after the other."""
         if vocoder_lanes is None:  # the cores that generation's threads leave, each decode taking as many
             threads = torch.get_num_threads()
             vocoder_lanes = max(1, (cpu.usable_cpus() - threads) // threads)
@@ -305,6 +319,15 @@ class Scheduler:
         self._steps = self._prefills = 0
         self._sizes: Counter[int] = Counter()
         self._waits: deque[float] = deque(maxlen=RECENT)
+        if prompts_at_once is None:  # as many as the prompt team holds stages' threads
+            team = engine.prompt_team
+            prompts_at_once = 1 if team is None else max(1, team[0] // max(1, torch.get_num_threads()))
+        elif isinstance(prompts_at_once, bool) or not isinstance(prompts_at_once, int) or prompts_at_once < 1:
+            raise ValueError(f"prompts_at_once must be an integer >= 1 or None, got {prompts_at_once!r}")
+        self._side_by_side = prompts_at_once
+        self._helpers = ThreadPoolExecutor(self._side_by_side - 1, "kazeia-prompt") if self._side_by_side > 1 else None
+        self._prompting = 0  # prompts running now
+        self._together = 1  # prompts this frame boundary runs side by side (`_prefill_all`)
         self._thread = threading.Thread(target=self._run, name="kazeia-scheduler", daemon=True)
         self._thread.start()
 
@@ -356,6 +379,8 @@ class Scheduler:
             self._lock.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)  # idle: the scheduler's thread waits for its prompts
 
     def __enter__(self) -> Scheduler:
         return self
@@ -438,14 +463,14 @@ class Scheduler:
                 self._lock.wait_for(partial(self._resubmitted, previous), GRACE_S)
                 if self._urgent:  # a stream's own work goes first (`_exclusive`), then its prefill may follow
                     self._lock.wait_for(lambda: not self._urgent or self._closed)
-                    self._lock.wait_for(self._prefill_waiting, GRACE_S)
+                    self._lock.wait_for(self._prefill_waiting, PROMPT_GRACE_S)
                 self._idle(self._due, poll=PACE_POLL_S)  # a stream's need of frames changes without a notice
                 prefills = [w for w in self._pending if w.prefill is not None]
                 decodes = [w for w in self._pending if w.decode is not None]
                 self._pending = []
                 self.lanes.generating(True)
-            for work in prefills:
-                self._prefill(work)
+            if prefills:
+                self._prefill_all(prefills)
             previous = self._decode(decodes) if decodes else set()
 
     def _idle(self, until: Callable[[], bool], poll: float | None) -> None:
@@ -472,32 +497,68 @@ class Scheduler:
     def _prefill_waiting(self) -> bool:
         return self._closed or any(w.prefill is not None for w in self._pending)
 
+    def _prefill_all(self, prefills: list[_Work]) -> None:
+        """The prompts waiting at this frame boundary: one at a time on the prompt team, or, where
+        several wait and the team holds several stages' threads, that many side by side (the
+        scheduler's thread and its helpers each taking the next), each on a share of the team (see
+        `_prompt_threads`). A prompt's threads never change its results, so neither does this."""
+        with self._model_lock:
+            width = self._together = min(len(prefills), self._side_by_side)
+            if width < 2 or self._helpers is None:
+                for work in prefills:
+                    self._prefill(work)
+                return
+            waiting = deque(prefills)
+
+            def take() -> None:
+                while True:
+                    try:
+                        work = waiting.popleft()  # atomic: each prompt is taken once
+                    except IndexError:
+                        return
+                    self._prefill(work)
+
+            helping = [self._helpers.submit(take) for _ in range(width - 1)]
+            take()
+            for future in helping:
+                future.result()
+
     def _prefill(self, work: _Work) -> None:
+        """One prompt (`_prefill_all` holds the model)."""
         if work.owner.should_stop():
             work.finish(error=StepCancelled())
             return
+        with self._lock:
+            self._prompting += 1
         try:
             prompt, opts, generator = work.prefill  # type: ignore[misc]
-            # every core while no decode holds one: checked at each of Kazeia's own products (int8,
-            # int4), else once, at its start
+            # every core while no decode holds one and no other prompt runs: checked at each of
+            # Kazeia's own products (int8, int4), else once, at its start
             threads, openmp = self._prompt_threads(self.engine.prompt_team)
-            with self._model_lock:
-                made = generate.prefill(self.engine.model, prompt, opts, generator, threads, openmp)
+            made = generate.prefill(self.engine.model, prompt, opts, generator, threads, openmp)
             work.finish(made)
         except BaseException as error:  # the stream's thread raises it
             work.finish(error=error)
         with self._lock:
+            self._prompting -= 1
             self._prefills += 1
 
     def _prompt_threads(self, team: tuple[int, bool] | None) -> tuple[int | Callable[[], int] | None, bool]:
-        """generate.prefill's (prompt_threads, openmp) for a prompt now (`_prefill`)."""
+        """generate.prefill's (prompt_threads, openmp) for a prompt now (`_prefill`): the team
+        while no decode holds a lane and no other prompt runs; otherwise generation's own threads,
+        shared by the prompts running side by side."""
         if team is None:
             return None, True
         threads, openmp = team
-        if openmp:
-            return (None, True) if self.lanes.decoding() else team
+        if openmp:  # decided once: shared if other prompts run beside it, at any time
+            return (None, True) if self.lanes.decoding() or self._together > 1 else team
         alone = cpu.native_threads()
-        return (lambda: alone if self.lanes.decoding() else threads), False
+
+        def now() -> int:
+            running = max(1, self._prompting)
+            return max(1, (alone if self.lanes.decoding() else threads) // running)
+
+        return now, False
 
     def _decode(self, decodes: list[_Work]) -> set[_Ticket]:
         """One batched step for the waiting streams; the set of those that got a frame."""

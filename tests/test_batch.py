@@ -495,6 +495,53 @@ def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed,
         assert seen == [engine.prompt_team, (1, False)] and teams[1]() == engine.prompt_team[0]
 
 
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("int8", marks=requires_int8)])
+def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypatch, dtype):
+    """Two prompts waiting at one frame boundary run at once (the scheduler's thread and a helper),
+    each on its share of the prompt team while both run (Kazeia's own products: one thread each;
+    torch's: generation's threads), and each gives what the same prompt gives run alone: its first
+    codes and its talker cache."""
+    from kazeia import scheduler as scheduling
+
+    engine = typed(dtype)
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="prompts_at_once"):
+            engine.scheduler(prompts_at_once=bad)
+    if engine.prompt_team is None or engine.prompt_team[0] < 2 * torch.get_num_threads():
+        pytest.skip("no prompt team of two stages' threads here: prompts run one at a time")
+    jobs, alone = [], []
+    with torch.inference_mode():
+        for i in range(2):
+            request = engine.request(TEXTS[i], voice="ryan", seed=i + 3, do_sample=True, max_new_tokens=8)
+            part = request.parts[0]
+            prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
+            jobs.append((prompt, request.options, torch.Generator().manual_seed(part.seed)))
+            generator = torch.Generator().manual_seed(part.seed)
+            alone.append(generate.prefill(engine.model, prompt, request.options, generator))
+    both, seen, prefill = threading.Barrier(2, timeout=30), [], generate.prefill
+
+    def prefilled(*args):
+        both.wait()  # each waits for the other: one after the other, the barrier breaks
+        threads, openmp = args[4:]
+        seen.append((threading.current_thread().name, threads() if callable(threads) else threads, openmp))
+        return prefill(*args)
+
+    monkeypatch.setattr(scheduling.generate, "prefill", prefilled)
+    with engine.scheduler(max_batch=2) as scheduler:
+        works = [scheduling._Work(scheduling._Ticket(), prefill=job) for job in jobs]
+        scheduler._prefill_all(works)
+        assert scheduler.stats.prefills == 2
+    assert len({name for name, _, _ in seen}) == 2
+    share = (1, False) if not engine.prompt_team[1] else (None, True)
+    assert [(threads, openmp) for _, threads, openmp in seen] == [share, share]
+    for work, (state, codes) in zip(works, alone, strict=True):
+        assert work.error is None
+        made, first = work.result
+        assert torch.equal(first, codes)
+        for mine, theirs in zip(made.cache.layers, state.cache.layers, strict=True):
+            assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)
+
+
 def test_a_spare_lane_decodes_only_while_generation_waits():
     """A spare lane (generation's own core) is taken only while generation has nothing to run; a
     decode on it stops at its next pause point when generation has work again, and goes on when
