@@ -1,15 +1,16 @@
 """Continuous batching: many streams generated together, each exactly as it would be alone.
 
-A `Scheduler` owns the frame steps of an engine's streams (`engine.scheduler(max_batch=...)`).
-Each stream keeps its own thread, frame generator, vocoder state and chunk queue (SpeechStream);
-only its steps go elsewhere: to the scheduler's thread, which at every frame boundary runs the
-waiting prefills (joining requests: each its prompt and its first frame; several side by side,
-below) and then one batched step (kazeia/batch.py) for every active stream whose next step is waiting. All
+A `Scheduler` owns the frame steps of an engine's streams (`engine.scheduler(max_batch=...)`). Each
+stream keeps its own thread, frame generator, vocoder state and chunk queue (SpeechStream); only
+its steps go elsewhere: to the scheduler's thread, which at every frame boundary runs the waiting
+prefills (joining requests: each its prompt and its first frame; several side by side, below) and
+then one batched step (kazeia/batch.py) for every active stream whose next step is waiting. All
 waiting prompts go first: a joining stream has no audio yet, a running one has its buffer (with 4
-clients arriving together, first audio at p95 came ~25 % sooner than with one prompt a boundary,
-at the same throughput: BENCHMARKS.md). A prompt runs on the engine's prompt team (every core)
-while no stream's audio is being decoded and no other prompt runs, else on generation's threads. A stream waiting for live
-text, or for its consumer to take audio, simply has no step waiting: the others go on without it.
+clients arriving together, first audio at p95 came ~25 % sooner than with one prompt a boundary, at
+the same throughput: BENCHMARKS.md). A prompt runs on the engine's prompt team (every core) while
+no stream's audio is being decoded and no other prompt runs, else on generation's threads. A stream
+waiting for live text, or for its consumer to take audio, simply has no step waiting: the others go
+on without it.
 A stream that ends (EOS, its limits, cancellation) stops submitting; nothing else changes.
 
 Admission is first come, first served: at most `max_batch` streams are admitted at once, at most
