@@ -13,6 +13,9 @@ source or `should_stop` says so; `frames()` returns which (its finish reason).
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
@@ -50,6 +53,74 @@ def _round_up(n: int) -> int:
     return -(-n // CACHE_BLOCK) * CACHE_BLOCK
 
 
+VOICED_CACHE_BYTES = 64 << 20  # keys and values kept per model (a 0.6B or 1.7B voice: ~0.2 MB a position)
+
+
+class VoicedCache:
+    """The talker's keys and values over prompts' voice positions (`Prompt.voiced`: instruct, role
+    and control ids, speaker or x-vector), by the exact input vectors there, least recently used
+    first out beyond `limit` bytes. `prefill` always runs those positions apart from the rest, so a
+    prompt's results are the same bits whether they are found here or computed."""
+
+    def __init__(self, limit: int = VOICED_CACHE_BYTES):
+        self.limit, self.size = limit, 0
+        self._entries: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(embeds: torch.Tensor) -> tuple:
+        data = embeds.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        return embeds.dtype, tuple(embeds.shape), data
+
+    def get(self, key: tuple) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+            return found
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.size = 0
+
+    def put(self, key: tuple, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        size = sum(k.nbytes + v.nbytes for k, v in layers) + len(key[2])
+        with self._lock:
+            if size > self.limit or key in self._entries:
+                return
+            self._entries[key] = layers
+            self.size += size
+            while self.size > self.limit:
+                old_key, old = self._entries.popitem(last=False)
+                self.size -= sum(k.nbytes + v.nbytes for k, v in old) + len(old_key[2])
+
+
+_VOICED: weakref.WeakKeyDictionary[TTSModel, VoicedCache] = weakref.WeakKeyDictionary()
+_VOICED_LOCK = threading.Lock()
+
+
+def voiced_cache(model: TTSModel) -> VoicedCache:
+    """`model`'s VoicedCache (made on first use)."""
+    with _VOICED_LOCK:
+        if model not in _VOICED:
+            _VOICED[model] = VoicedCache()
+        return _VOICED[model]
+
+
+def _voiced_positions(model: TTSModel, embeds: torch.Tensor, layers: list[KVCache]) -> None:
+    """Fill `layers` at positions [0, n) with the talker's keys and values over `embeds` (1, n, H):
+    from the model's VoicedCache, else computed (and kept there)."""
+    cache, key, n = voiced_cache(model), VoicedCache.key(embeds), embeds.shape[1]
+    stored = cache.get(key)
+    if stored is None:
+        model.talker(embeds, layers, 0)
+        cache.put(key, [(layer.k[:, :, :n].clone(), layer.v[:, :, :n].clone()) for layer in layers])
+        return
+    for layer, (k, v) in zip(layers, stored, strict=True):
+        layer.write(0, k, v)
+
+
 @dataclass
 class Decoding:
     """One request's state between frames."""
@@ -85,8 +156,12 @@ def prefill(
         torch.empty(1, opts.max_new_tokens, dtype=torch.long, device=device),
         length,
     )
+    # The voice's positions apart from the text's, always: the same bits whether cached or not.
+    voiced = prompt.voiced if 0 < prompt.voiced < length else 0
     with cpu.team(prompt_threads, openmp):
-        hidden = talker(prompt.embeds, state.cache.layers, 0)[:, -1:]  # (1, 1, H)
+        if voiced:
+            _voiced_positions(model, prompt.embeds[:, :voiced], state.cache.layers)
+        hidden = talker(prompt.embeds[:, voiced:], state.cache.layers, voiced)[:, -1:]  # (1, 1, H)
         return state, _frame(model, state, hidden)
 
 

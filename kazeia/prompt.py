@@ -69,6 +69,10 @@ class Prompt:
     trailing: torch.Tensor  # (1, M, H) text-track vectors added to decode steps 0..M-1
     pad: torch.Tensor  # (1, 1, H) tts_pad text vector, added once the trailing track is used up
     eos: torch.Tensor  # (1, 1, H) tts_eos text vector
+    # Leading positions of `embeds` that come from the voice alone (instruct, role and control ids,
+    # the speaker row or x-vector), never from the text: the same in every request of that voice
+    # (generate.prefill keeps the talker's keys and values over them).
+    voiced: int = 0
     # Live text (kazeia/live.py): step -> text vector, waiting for text to arrive; None = stop.
     text_source: Callable[[int], torch.Tensor | None] | None = None
 
@@ -158,6 +162,7 @@ def build_prompt(model: TTSModel, text_ids, cond: Conditioning, non_streaming_mo
     if cond.instruct_ids:
         parts.insert(0, talker.embed_text(_ids(cond.instruct_ids, device)))
 
+    voiced = sum(part.shape[1] for part in parts)
     text = ids[:, ROLE_IDS:-CLOSING_IDS]  # (1, m)
     if cond.icl:
         icl, trailing = _icl(talker, predictor, cfg, cond, text, (eos, pad), non_streaming_mode)
@@ -170,7 +175,7 @@ def build_prompt(model: TTSModel, text_ids, cond: Conditioning, non_streaming_mo
     else:
         parts.append(talker.embed_text(text[:, :1]) + codec[:, -1:])
         trailing = torch.cat((embed_tokens(talker, text[:, 1:]), eos), dim=1)
-    return Prompt(embeds=torch.cat(parts, dim=1), trailing=trailing, pad=pad, eos=eos)
+    return Prompt(embeds=torch.cat(parts, dim=1), trailing=trailing, pad=pad, eos=eos, voiced=voiced)
 
 
 def _icl(

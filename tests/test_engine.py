@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kazeia import Engine, RequestError, SamplingOptions
+from kazeia import Engine, RequestError, SamplingOptions, generate
+from kazeia.prompt import build_prompt
 
 SHORT = dict(max_new_tokens=12)
 
@@ -30,6 +31,68 @@ def test_calls_are_independent(engines):
     engines["1.7B-custom"].synthesize("Other engine.", voice="aiden", seed=3, **SHORT)
     again = engine.synthesize("One two three.", voice="ryan", seed=1, **SHORT)
     assert first.audio.tobytes() == again.audio.tobytes()
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("0.6B-custom", dict(voice="serena", language="english")),
+        ("0.6B-custom", dict(voice="ryan", non_streaming_mode=False)),
+        ("1.7B-custom", dict(voice="vivian", language="English", instruct="Speak with excitement.")),
+        ("1.7B-design", dict(instruct="A deep, calm male voice.", language="English")),
+    ],
+)
+def test_a_voices_prompt_positions_are_kept_and_give_the_same_bits(engines, name, kwargs):
+    """Two texts in one voice share their prompts' voice positions (Prompt.voiced: instruct, role,
+    control, speaker) and differ right after. The talker's keys and values there, kept from the
+    first prompt, give the second the same cache and first codes, bit for bit, as computing them."""
+    engine = engines[name]
+    jobs = []
+    for text in ("Hello world.", "Something else entirely."):
+        request = engine.request(text, seed=3, do_sample=True, max_new_tokens=8, **kwargs)
+        part = request.parts[0]
+        prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
+        jobs.append((prompt, request.options, part.seed))
+    first, second = jobs[0][0], jobs[1][0]
+    n = second.voiced
+    assert 0 < n == first.voiced < second.embeds.shape[1]
+    assert torch.equal(first.embeds[:, :n], second.embeds[:, :n])
+    assert not torch.equal(first.embeds[:, n], second.embeds[:, n])
+    cache = generate.voiced_cache(engine.model)
+
+    def prefill(prompt, options, seed):
+        return generate.prefill(engine.model, prompt, options, torch.Generator().manual_seed(seed))
+
+    with torch.inference_mode():
+        cache.clear()
+        computed = prefill(*jobs[1])
+        cache.clear()
+        prefill(*jobs[0])  # keeps the voice's positions
+        assert cache.get(generate.VoicedCache.key(second.embeds[:, :n])) is not None
+        kept = prefill(*jobs[1])
+    assert torch.equal(computed[1], kept[1])
+    length = second.embeds.shape[1]
+    for ours, theirs in zip(kept[0].cache.layers, computed[0].cache.layers, strict=True):
+        assert torch.equal(ours.k[:, :, :length], theirs.k[:, :, :length])
+        assert torch.equal(ours.v[:, :, :length], theirs.v[:, :, :length])
+
+
+def test_the_voiced_cache_keeps_to_its_bound_least_recently_used_first_out():
+    def entry(value: float):
+        layers = [(torch.full((1, 2, 3, 4), value), torch.full((1, 2, 3, 4), value))]
+        return generate.VoicedCache.key(torch.full((1, 3, 4), value)), layers
+
+    one = sum(k.nbytes + v.nbytes for k, v in entry(0.0)[1]) + len(entry(0.0)[0][2])
+    cache = generate.VoicedCache(limit=2 * one)
+    (a, la), (b, lb), (c, lc), (d, ld) = (entry(v) for v in (1.0, 2.0, 3.0, 4.0))
+    cache.put(a, la)
+    cache.put(b, lb)
+    assert cache.get(a) is la  # now the most recently used
+    cache.put(c, lc)  # b goes
+    assert cache.get(b) is None and cache.get(a) is la and cache.get(c) is lc and cache.size == 2 * one
+    tiny = generate.VoicedCache(limit=one - 1)
+    tiny.put(d, ld)  # larger than the whole bound: not kept
+    assert tiny.get(d) is None and tiny.size == 0
 
 
 def test_global_rng_untouched(engines):
