@@ -64,7 +64,8 @@ class VoicedCache:
 
     def __init__(self, limit: int = VOICED_CACHE_BYTES):
         self.limit, self.size = limit, 0
-        self._entries: OrderedDict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        # key -> (per layer (keys, values), bytes it counts for)
+        self._entries: OrderedDict[tuple, tuple[list[tuple[torch.Tensor, torch.Tensor]], int]] = OrderedDict()
         self._lock = threading.Lock()
 
     @staticmethod
@@ -75,9 +76,10 @@ class VoicedCache:
     def get(self, key: tuple) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         with self._lock:
             found = self._entries.get(key)
-            if found is not None:
-                self._entries.move_to_end(key)
-            return found
+            if found is None:
+                return None
+            self._entries.move_to_end(key)
+            return found[0]
 
     def clear(self) -> None:
         with self._lock:
@@ -89,11 +91,10 @@ class VoicedCache:
         with self._lock:
             if size > self.limit or key in self._entries:
                 return
-            self._entries[key] = layers
+            self._entries[key] = layers, size
             self.size += size
             while self.size > self.limit:
-                old_key, old = self._entries.popitem(last=False)
-                self.size -= sum(k.nbytes + v.nbytes for k, v in old) + len(old_key[2])
+                self.size -= self._entries.popitem(last=False)[1][1]
 
 
 _VOICED: weakref.WeakKeyDictionary[TTSModel, VoicedCache] = weakref.WeakKeyDictionary()

@@ -505,10 +505,6 @@ class Scheduler:
         `_prompt_threads`). A prompt's threads never change its results, so neither does this."""
         with self._model_lock:
             width = self._together = min(len(prefills), self._side_by_side)
-            if width < 2 or self._helpers is None:
-                for work in prefills:
-                    self._prefill(work)
-                return
             waiting = deque(prefills)
 
             def take() -> None:
@@ -519,7 +515,8 @@ class Scheduler:
                         return
                     self._prefill(work)
 
-            helping = [self._helpers.submit(take) for _ in range(width - 1)]
+            # no helper (one prompt, or prompts_at_once=1): this thread takes them all, in order
+            helping = [self._helpers.submit(take) for _ in range(width - 1)] if self._helpers else []
             take()
             for future in helping:
                 future.result()
