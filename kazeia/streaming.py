@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .lanes import LaneStopped
 from .runaway import CANCELLED, overall
-from .scheduler import LaneStopped
 from .speed import TimeStretch, output_length
 from .vocoder import Vocoder, VocoderState, no_pause
 
 if TYPE_CHECKING:
-    from .scheduler import VocoderLanes
+    from .lanes import VocoderLanes
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
 PACE_CHUNKS = 2  # a scheduled stream is stepped while fewer than this many of its chunks are ready

@@ -331,7 +331,7 @@ def test_closing_the_scheduler_ends_its_streams_with_an_error(typed):
 
 
 def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest_deadline():
-    from kazeia.scheduler import VocoderLanes
+    from kazeia.lanes import VocoderLanes
 
     for bad in (0, -1, True, 1.5, None):
         with pytest.raises(ValueError, match="vocoder_lanes"):
@@ -376,7 +376,7 @@ def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest
 
 
 def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
-    from kazeia.scheduler import VocoderLanes
+    from kazeia.lanes import VocoderLanes
 
     lanes, stop, results = VocoderLanes(1), threading.Event(), []
 
@@ -399,7 +399,7 @@ def test_a_decode_hands_its_lane_to_a_first_chunk_at_a_pause_and_gets_it_back():
     """A later chunk's decode gives the lane up at its next pause point to a first chunk that waits
     (and to no other), then resumes before the later chunks that queued after it; a first chunk's
     own decode never pauses."""
-    from kazeia.scheduler import VocoderLanes
+    from kazeia.lanes import VocoderLanes
 
     lanes, order, queued = VocoderLanes(1), [], threading.Event()
 
@@ -427,7 +427,7 @@ def test_a_decode_hands_its_lane_to_a_first_chunk_at_a_pause_and_gets_it_back():
 
 
 def test_a_paused_decode_of_a_stopped_stream_ends_without_its_lane():
-    from kazeia.scheduler import LaneStopped, VocoderLanes
+    from kazeia.lanes import LaneStopped, VocoderLanes
 
     lanes, stop, outcome, release = VocoderLanes(1), threading.Event(), [], threading.Event()
 
@@ -546,7 +546,7 @@ def test_a_spare_lane_decodes_only_while_generation_waits():
     """A spare lane (generation's own core) is taken only while generation has nothing to run; a
     decode on it stops at its next pause point when generation has work again, and goes on when
     generation waits again or a lane frees (the decode then holds that lane)."""
-    from kazeia.scheduler import LaneStopped, VocoderLanes
+    from kazeia.lanes import LaneStopped, VocoderLanes
 
     with pytest.raises(ValueError, match="spare_lanes"):
         VocoderLanes(1, -1)
