@@ -1,7 +1,7 @@
 """Many streams at once through the scheduler on a real-size random checkpoint: aggregate audio
 seconds per wall second, per-stream RTF, TTFB p50/p95 and continuity, by concurrency.
 
-    python benchmarks/batch.py [--size 0.6B] [--dtypes int8,bfloat16] [--concurrency 1,2,4]
+    python benchmarks/batch.py [--size 0.6B] [--dtypes int8,bfloat16] [--concurrency solo,4q,4,1/4]
                                [--requests 16] [--frames 15-40] [--gap 0.3] [--ramp S]
                                [--max-chunk-frames N] [--vocoder-lanes 1,2] [--vocoder-dtype D]
                                [--json out.json]
@@ -10,8 +10,10 @@ At concurrency c, c clients each send requests one after the other, the first at
 within the first `--ramp` s (default `--gap`: nearly at once, a burst the first prefills queue
 behind) and each next one a random (exponential, mean `--gap` s) pause after the previous ended;
 each request asks for a random number of frames in `--frames` (greedy, EOS suppressed, so exactly
-that many) and takes its chunks as fast as they come. "solo" is today's path: the engine's own
-stream, one client, no scheduler. `--vocoder-lanes`: the scheduler's (kazeia/scheduler.py), each
+that many) and takes its chunks as fast as they come. "solo" is the engine's own stream, one
+client, no scheduler; "N/B" is N clients through a scheduler of B places, and "Nq" N clients
+taking turns on the engine's own stream (`kazeia serve --max-batch B` and `--max-batch 1` with N
+clients: `level`). `--vocoder-lanes`: the scheduler's (kazeia/scheduler.py), each
 value a row of its own (default: the scheduler's default). TTFB counts from the call (queue wait
 included); `ttfb_p95_later_s` leaves out each client's first request, the opening burst (with
 clients > 1). A stream is continuous when, played in real time from its first chunk after a 160 ms
@@ -27,6 +29,8 @@ alternate them within one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import random
 import sys
@@ -45,9 +49,36 @@ TEXT = "Kazeia speaks to many people at once, each voice exactly as it would sou
 RATE = 24000
 
 
-def one_stream(engine: Engine, scheduler, frames: int, seed: int, catch_up: int | None = None) -> dict:
-    """One request, its chunks taken at once; its timings."""
+class Turns:
+    """A first-come-first-served lock: one request at a time, in the order they asked."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._tickets = itertools.count()
+        self._serving = 0
+
+    def __enter__(self) -> None:
+        with self._cond:
+            mine = next(self._tickets)
+            self._cond.wait_for(lambda: self._serving == mine)
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._serving += 1
+            self._cond.notify_all()
+
+
+def one_stream(
+    engine: Engine, scheduler, frames: int, seed: int, catch_up: int | None = None, turns: Turns | None = None
+) -> dict:
+    """One request, its chunks taken at once (after its turn, with `turns`); its timings."""
     called = time.perf_counter()
+    with turns if turns is not None else contextlib.nullcontext():
+        return _timed(engine, scheduler, frames, seed, catch_up, called)
+
+
+def _timed(engine: Engine, scheduler, frames: int, seed: int, catch_up: int | None, called: float) -> dict:
+    begun = time.perf_counter()  # after any turn's wait
     options = dict(voice="serena", seed=seed, max_new_tokens=frames + 1, ignore_eos=True, max_chunk_frames=catch_up)
     stream = scheduler.stream(TEXT, **options) if scheduler is not None else engine.stream(TEXT, **options)
     arrivals, samples, delivered = [], 0, []
@@ -59,12 +90,27 @@ def one_stream(engine: Engine, scheduler, frames: int, seed: int, catch_up: int 
     ended = time.perf_counter() - called
     continuous = longest_wait(arrivals) == 0.0
     assert stream.metrics is not None and stream.metrics.generation_s is not None  # the last chunk is out
-    # the stream's own clock (it starts at the call, before this one reads it): its share after generation
+    # the stream's own clock (it starts at the call, after `begun`): its share after generation
     after = (stream.metrics.wall_s - stream.metrics.generation_s) / stream.metrics.wall_s
     return {
         "ttfb_s": arrivals[0][0], "audio_s": samples / RATE, "wall_s": ended, "continuous": continuous,
-        "after_generation": after * ended, "called": called, "ended": called + ended, "delivered": delivered,
+        "after_generation": after * (called + ended - begun), "called": called, "ended": called + ended,
+        "delivered": delivered,
     }  # fmt: skip
+
+
+def level(name: str) -> tuple[int, int | None, bool]:
+    """A `--concurrency` level -> (clients, the scheduler's max_batch or None, one at a time):
+    "solo": one client on the engine's own stream; "N": N clients through a scheduler of N
+    places; "N/B": N clients through a scheduler of B places (the server's --max-batch B); "Nq": N
+    clients taking turns on the engine's own stream, first come first served (the server's
+    --max-batch 1: one worker, one utterance at a time)."""
+    if name == "solo":
+        return 1, None, False
+    if name.endswith("q"):
+        return int(name[:-1]), None, True
+    clients, _, places = name.partition("/")
+    return int(clients), int(places or clients), False
 
 
 def run_level(
@@ -78,19 +124,20 @@ def run_level(
     lanes: int | None = None,
 ) -> dict:
     rng = random.Random(17)
-    clients = 1 if concurrency == "solo" else int(concurrency)
+    clients, max_batch, queued = level(concurrency)
     plan = [[rng.randint(*frames) for _ in range(requests // clients or 1)] for _ in range(clients)]
     results: list[dict] = []
     lock = threading.Lock()
     scheduler = None
-    if concurrency != "solo":
-        scheduler = engine.scheduler(max_batch=clients, max_queue=clients, vocoder_lanes=lanes)
+    if max_batch is not None:
+        scheduler = engine.scheduler(max_batch=max_batch, max_queue=clients, vocoder_lanes=lanes)
+    turns = Turns() if queued else None
 
     def client(index: int) -> None:
         local = random.Random(index)
         time.sleep(local.uniform(0, gap if ramp is None else ramp))
         for k, n in enumerate(plan[index]):
-            got = one_stream(engine, scheduler, n, seed=100 * index + k, catch_up=catch_up)
+            got = one_stream(engine, scheduler, n, seed=100 * index + k, catch_up=catch_up, turns=turns)
             got["opening"], got["client"] = k == 0, index
             with lock:
                 results.append(got)
@@ -142,7 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
     parser.add_argument("--dtypes", default="int8,bfloat16")
-    parser.add_argument("--concurrency", default="solo,1,2,4", help="levels: 'solo' (no scheduler) or numbers")
+    parser.add_argument("--concurrency", default="solo,1,2,4", help="levels: solo, N, N/B or Nq (`level`)")
     parser.add_argument("--requests", type=int, default=16, help="requests per level (split among the clients)")
     parser.add_argument("--frames", default="15-40", help="frames per request, a range MIN-MAX")
     parser.add_argument("--gap", type=float, default=0.3, help="mean pause between a client's requests (s)")
@@ -164,9 +211,9 @@ def main() -> None:
             print(json.dumps(report["machine"]))
         one_stream(engine, None, 3, seed=0)  # warm-up: the native library, the first allocations
         lanes = [int(n) for n in args.vocoder_lanes.split(",") if n] or [None]
-        for level in args.concurrency.split(","):
-            for lane in [None] if level == "solo" else lanes:
-                got = run_level(engine, level, args.requests, frames, args.gap, args.max_chunk_frames, args.ramp, lane)
+        for name in args.concurrency.split(","):
+            for lane in lanes if level(name)[1] is not None else [None]:
+                got = run_level(engine, name, args.requests, frames, args.gap, args.max_chunk_frames, args.ramp, lane)
                 row = {"dtype": dtype, "vocoder_dtype": args.vocoder_dtype, **got}
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)

@@ -718,7 +718,7 @@ def test_max_batch_is_checked():
     for bad in (0, -1, True, 1.5, 65):
         with pytest.raises(ValueError, match="max_batch"):
             ServerConfig("m", max_batch=bad)
-    assert ServerConfig("m").max_batch == 1  # one utterance at a time unless asked
+    assert ServerConfig("m").max_batch == 4  # four utterances at once unless asked (BENCHMARKS.md)
 
 
 def _taken(worker, jobs: int) -> bool:

@@ -389,25 +389,26 @@ def test_blank_chunks_never_hold_the_worker(live):
     assert _record(worker, jobs + 1).status == "failed"
 
 
-def test_the_queue_is_bounded(engines):
-    """queue_size 1: one utterance generating and one waiting; a third connection is refused."""
+@pytest.mark.parametrize("max_batch", [1, ServerConfig("m").max_batch])
+def test_the_queue_is_bounded(engines, max_batch):
+    """queue_size 1: max_batch utterances generating and one waiting; the next connection is refused."""
 
     async def crowd(live) -> Error:
-        clients = [live.client() for _ in range(3)]
+        clients = [live.client() for _ in range(max_batch + 2)]
         for client in clients:
             await client.connect()
         try:
-            for client in clients[:2]:
+            for client in clients[:-1]:
                 await client.write_event(Synthesize(text="Wait for it.").event())
                 await read_until(client, "audio-start")
-            await clients[2].write_event(Synthesize(text="And me?").event())
-            return Error.from_event((await read_until(clients[2], "error"))[-1])
+            await clients[-1].write_event(Synthesize(text="And me?").event())
+            return Error.from_event((await read_until(clients[-1], "error"))[-1])
         finally:
             for client in clients:
                 await client.disconnect()
 
     settings = dict(seed=1, sampling=dict(ignore_eos=True, max_new_tokens=600))
-    with serve(engines["0.6B-custom"], settings, queue_size=1) as live:
+    with serve(engines["0.6B-custom"], settings, queue_size=1, max_batch=max_batch) as live:
         error = asyncio.run(crowd(live))
     assert error.code == "queue_full" and "busy" in error.text
 

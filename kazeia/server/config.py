@@ -106,7 +106,9 @@ class ServerConfig:
     max_connections: int = 64  # open connections at once (uvicorn's limit_concurrency); more get 503
     ws_idle_s: float = 300.0  # a WebSocket with nothing to say or speak for this long is closed
     # Utterances generated at once, their frame steps batched (kazeia/scheduler.py); 1: one at a time.
-    max_batch: int = 1
+    # 4: with several clients on 2 cores their first audio comes seconds sooner and ~1.5x the audio
+    # is spoken in all; a lone client loses nothing measurable (docs/server.md, BENCHMARKS.md).
+    max_batch: int = 4
 
     @property
     def schedule(self) -> ChunkSchedule:
