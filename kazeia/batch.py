@@ -14,6 +14,10 @@ exactly in integers). A batched step therefore equals `generate.decode_frame` bi
 every precision. A model whose products cannot be made row-invariant (oneDNN products when
 generation has several threads, the int8 GEMM where there is no native library, a GPU) steps its
 requests one after the other (`Batch.rows_shared` is False): the same results, without the shared weight reads.
+
+A step may stop at its `pause` points (after the talker, after each of the predictor's steps) for
+other work on the model, e.g. a joining request's prompt (kazeia/scheduler.py); its rows wait
+untouched meanwhile, so its results are the same.
 """
 
 from __future__ import annotations
@@ -108,16 +112,24 @@ class Batch:
         return MAX_ROWS // 2
 
     @torch.inference_mode()
-    def decode_frames(self, states: list[Decoding], texts: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def decode_frames(
+        self, states: list[Decoding], texts: list[torch.Tensor], pause: Callable[[], None] | None = None
+    ) -> list[torch.Tensor | None]:
         """`generate.decode_frame` for each request: states[b] steps on its text-track vector
-        texts[b] (1, 1, H) -> its next codes (1, 16), or None at its EOS or token limit."""
+        texts[b] (1, 1, H) -> its next codes (1, 16), or None at its EOS or token limit.
+        `pause()`: called between the step's stages (module docstring); the results are the same."""
+        pause = pause or _go_on
         if len(states) != len(texts):
             raise ValueError(f"{len(states)} requests but {len(texts)} text vectors")
         if len(states) > self.max_batch:
             raise ValueError(f"a batched step takes at most {self.max_batch} requests, got {len(states)}")
         if not self.rows_shared:
-            return [decode_frame(self.model, state, text) for state, text in zip(states, texts, strict=True)]
-        out: list[torch.Tensor | None] = [None] * len(states)
+            out: list[torch.Tensor | None] = []
+            for state, text in zip(states, texts, strict=True):
+                out.append(decode_frame(self.model, state, text))
+                pause()
+            return out
+        out = [None] * len(states)
         going = [b for b, state in enumerate(states) if state.frames + 1 < state.opts.max_new_tokens]
         if not going:
             return out
@@ -129,13 +141,14 @@ class Batch:
             state.cache.reserve(state.length + n)
             requests.append((state.cache.layers, state.length + n - 1))
         hidden = self._stack(talker, torch.cat(rows), requests)  # (B, 1, H)
+        pause()
         logits = self.heads[0](hidden[:, -1], len(going))  # (B, V)
         spoken = []
         for i, b in enumerate(going):
             if self._codebook0(states[b], logits[i : i + 1]):
                 spoken.append(i)
         if spoken:
-            codes = self._predict([states[going[i]] for i in spoken], hidden[spoken])
+            codes = self._predict([states[going[i]] for i in spoken], hidden[spoken], pause)
             for i, frame in zip(spoken, codes, strict=True):
                 state = states[going[i]]
                 state.codes, state.frames = frame, state.frames + 1
@@ -157,8 +170,9 @@ class Batch:
         state.history[:, n] = token
         return int(token) != eos
 
-    def _predict(self, states: list[Decoding], hidden: torch.Tensor) -> list[torch.Tensor]:
-        """generate.predict_codes in lockstep: hidden (B, 1, H) -> each request's codes (1, 16)."""
+    def _predict(self, states: list[Decoding], hidden: torch.Tensor, pause: Callable[[], None]) -> list[torch.Tensor]:
+        """generate.predict_codes in lockstep: hidden (B, 1, H) -> each request's codes (1, 16);
+        `pause()` after each of the predictor's steps but the last."""
         talker, predictor = self.model.talker, self.model.code_predictor
         B = len(states)
         first = [state.history[:, state.frames] for state in states]  # (1,) each
@@ -167,6 +181,7 @@ class Batch:
         codes = [[token] for token in first]
         for g in range(predictor.num_groups):
             if g > 0:
+                pause()
                 x = torch.cat([predictor.codec_embedding[g - 1](codes[b][-1][:, None]) for b in range(B)])
             start = 0 if g == 0 else g + 1
             projected = self.projection(x, B).view(B, x.shape[1], -1)
@@ -180,3 +195,7 @@ class Batch:
                 )  # fmt: skip
                 codes[b].append(token)
         return [torch.stack(c, dim=1) for c in codes]
+
+
+def _go_on() -> None:
+    """No pause: the step runs to its end."""

@@ -10,7 +10,11 @@ clients arriving together, first audio at p95 came ~25 % sooner than with one pr
 the same throughput: BENCHMARKS.md). A prompt runs on the engine's prompt team (every core) while
 no stream's audio is being decoded and no other prompt runs, else on generation's threads. A stream
 waiting for live text, or for its consumer to take audio, simply has no step waiting: the others go
-on without it.
+on without it. A stream that arrives while a step runs does not wait for its end: the step pauses
+between its stages (after the talker, after each of the predictor's 15 steps: a few ms each) for
+the stream to build its prompt and run its prefill, then goes on (`_let_prompts_in`); its rows
+wait untouched, so no result changes. With 4 int8 clients on 2 cores that brought the median first
+audio from 0.36-0.39 to 0.27-0.29 s (bfloat16 vocoder; BENCHMARKS.md), at the same throughput.
 A stream that ends (EOS, its limits, cancellation) stops submitting; nothing else changes.
 
 Admission is first come, first served: at most `max_batch` streams are admitted at once, at most
@@ -319,7 +323,8 @@ class Scheduler:
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
         """The model for a stream's own work (its prompt, live text's embeddings): before the next
-        step, so that a joining stream's prefill can be run at the coming frame boundary."""
+        step, or at the running step's next pause (`_let_prompts_in`), so that a joining stream's
+        prefill runs there rather than one step later."""
         with self._lock:
             self._urgent += 1
         try:
@@ -378,30 +383,57 @@ class Scheduler:
         return self._closed or any(w.prefill is not None for w in self._pending)
 
     def _prefill_all(self, prefills: list[_Work]) -> None:
-        """The prompts waiting at this frame boundary: one at a time on the prompt team, or, where
+        """The prompts waiting at this frame boundary (`_prefills`), holding the model."""
+        with self._model_lock:
+            self._prefills_held(prefills)
+
+    def _let_prompts_in(self) -> None:
+        """A step's pause (Batch.decode_frames; this thread holds the model): a stream's own work
+        that waits for the model (its prompt being built: `_exclusive`) goes now, then the prompts
+        waiting run, and the step goes on. A stream that joins during a step so starts within a
+        stage of it (at most a few ms) rather than at its end; the step's rows wait untouched."""
+        with self._lock:
+            if self._closed or not (self._urgent or any(w.prefill is not None for w in self._pending)):
+                return
+            urgent = bool(self._urgent)
+        if urgent:
+            self._model_lock.release()
+            try:
+                with self._lock:
+                    self._lock.wait_for(lambda: not self._urgent or self._closed)
+                    self._lock.wait_for(self._prefill_waiting, PROMPT_GRACE_S)
+            finally:
+                self._model_lock.acquire()
+        with self._lock:
+            prefills = [w for w in self._pending if w.prefill is not None]
+            self._pending = [w for w in self._pending if w.prefill is None]
+        if prefills:
+            self._prefills_held(prefills)
+
+    def _prefills_held(self, prefills: list[_Work]) -> None:
+        """Prompts, the caller holding the model: one at a time on the prompt team, or, where
         several wait and the team holds several stages' threads, that many side by side (the
         scheduler's thread and its helpers each taking the next), each on a share of the team (see
         `_prompt_threads`). A prompt's threads never change its results, so neither does this."""
-        with self._model_lock:
-            width = self._together = min(len(prefills), self._side_by_side)
-            waiting = deque(prefills)
+        width = self._together = min(len(prefills), self._side_by_side)
+        waiting = deque(prefills)
 
-            def take() -> None:
-                while True:
-                    try:
-                        work = waiting.popleft()  # atomic: each prompt is taken once
-                    except IndexError:
-                        return
-                    self._prefill(work)
+        def take() -> None:
+            while True:
+                try:
+                    work = waiting.popleft()  # atomic: each prompt is taken once
+                except IndexError:
+                    return
+                self._prefill(work)
 
-            # no helper (one prompt, or prompts_at_once=1): this thread takes them all, in order
-            helping = [self._helpers.submit(take) for _ in range(width - 1)] if self._helpers else []
-            take()
-            for future in helping:
-                future.result()
+        # no helper (one prompt, or prompts_at_once=1): this thread takes them all, in order
+        helping = [self._helpers.submit(take) for _ in range(width - 1)] if self._helpers else []
+        take()
+        for future in helping:
+            future.result()
 
     def _prefill(self, work: _Work) -> None:
-        """One prompt (`_prefill_all` holds the model)."""
+        """One prompt (`_prefills_held`: the caller holds the model)."""
         if work.owner.should_stop():
             work.finish(error=StepCancelled())
             return
@@ -449,7 +481,8 @@ class Scheduler:
             return set()
         try:
             with self._model_lock:
-                results = self.batch.decode_frames([w.decode[0] for w in going], [w.decode[1] for w in going])  # type: ignore[index]
+                states, texts = [w.decode[0] for w in going], [w.decode[1] for w in going]  # type: ignore[index]
+                results = self.batch.decode_frames(states, texts, self._let_prompts_in)
         except BaseException as error:
             for work in going:
                 work.finish(error=error)

@@ -689,9 +689,9 @@ def test_a_joining_streams_prefill_runs_at_the_next_frame_boundary(typed, monkey
             events.append("prefill")
             prefill(work)
 
-        def watched_step(states, texts):
+        def watched_step(states, texts, pause=None):
             events.append("step")
-            return step(states, texts)
+            return step(states, texts, pause)
 
         monkeypatch.setattr(scheduler, "_exclusive", watched_prompt)
         monkeypatch.setattr(scheduler, "_prefill", watched_prefill)
@@ -706,6 +706,56 @@ def test_a_joining_streams_prefill_runs_at_the_next_frame_boundary(typed, monkey
         running.close()
     joined = len(events) - 1 - events[::-1].index("prompt")  # the joining stream's prompt
     assert events[joined + 1] == "prefill", events[joined - 2 : joined + 3]
+
+
+def test_a_stream_that_joins_during_a_step_starts_within_it(typed, monkeypatch):
+    """A stream that joins while a step runs builds its prompt and runs its prefill at the step's
+    next pause, before the step ends; both streams still speak their solo audio."""
+    engine = typed("float32")
+    events: list[str] = []
+    joining: dict = {}
+    options = dict(voice="ryan", seed=2, max_new_tokens=6, ignore_eos=True)
+    with engine.scheduler(max_batch=2) as scheduler:
+        step, prefill = scheduler.batch.decode_frames, scheduler._prefill
+
+        def join() -> None:
+            joining["got"] = _speak(scheduler.stream(TEXTS[1], **options))
+
+        def watched_step(states, texts, pause):
+            third = events.count("step") == 2
+            events.append("step")
+
+            def watched_pause():
+                if third and "join" not in events:  # a stream arrives in the middle of the third step
+                    events.append("join")
+                    joining["thread"] = threading.Thread(target=join)
+                    joining["thread"].start()
+                    deadline = time.monotonic() + 10
+                    while events[-1] != "prefill" and time.monotonic() < deadline:
+                        pause()  # the scheduler's own pause: it lets the new stream in, or not
+                        time.sleep(0.002)
+                pause()
+
+            got = step(states, texts, watched_pause)
+            events.append("end")
+            return got
+
+        def watched_prefill(work):
+            events.append("prefill")
+            prefill(work)
+
+        monkeypatch.setattr(scheduler.batch, "decode_frames", watched_step)
+        monkeypatch.setattr(scheduler, "_prefill", watched_prefill)
+        running = _speak(scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=10, ignore_eos=True))
+        joining["thread"].join(30)
+    arrived = events.index("join")
+    assert events[arrived + 1 : arrived + 3] == ["prefill", "end"], events
+    for got, (text, kwargs) in (
+        (running, (TEXTS[0], dict(voice="serena", seed=1, max_new_tokens=10))),
+        (joining["got"], (TEXTS[1], options)),
+    ):
+        solo = _speak(engine.stream(text, **{**kwargs, "ignore_eos": True}))
+        assert np.array_equal(got[1], solo[1]) and np.array_equal(got[0], solo[0])
 
 
 pytest.importorskip("fastapi")
