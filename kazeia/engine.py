@@ -17,9 +17,8 @@ and seed give the same codes and the same audio bytes. Bad input raises `Request
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -32,19 +31,18 @@ from .checkpoint import DTYPES, release_freed_memory, resolve
 from .config import ModelConfig
 from .errors import RequestError
 from .int4 import Int4Linear
-from .live import live_trailing
 from .model import TTSModel
 from .prepared import prepared_dtype
-from .prompt import CLOSING_IDS, ROLE_IDS, Conditioning, Prompt, build_prompt, needs_whole_text
 from .quant import QuantLinear
-from .request import Part, Request, Rules, TextSource, bounded, build_request, ref_text_ids
-from .runaway import CANCELLED, Guard, overall
+from .request import Request, Rules, TextSource, build_request, ref_text_ids
+from .runaway import overall
 from .sampling import SamplingKwargs, SamplingOptions
 from .scheduler import Scheduler
 from .segment import LongTextOptions
 from .speed import stretch
 from .streaming import ChunkSchedule, Metrics, Segment, SpeechStream, at_speed
 from .text import TextTokenizer
+from .timeline import FirstPrefill, Running, segments
 from .vocoder import OFFLINE_BLOCK, Vocoder
 from .voices import Cloner, Priming, Voice
 
@@ -92,8 +90,8 @@ class Engine:
         self.rules = Rules(cfg, tokenizer, defaults, voice_model, vocoder.cfg.codebook_size)
         self._priming = Priming(vocoder)  # ICL voices: vocoder states after their reference frames
         # A request's first prompt, while the engine has no other request or open stream, runs on
-        # every core of the two stages: its vocoder has nothing to decode yet (_FirstPrefill).
-        self._running = _Running()
+        # every core of the two stages: its vocoder has nothing to decode yet (timeline.FirstPrefill).
+        self._running = Running()
         threads = torch.get_num_threads()
         prompt_threads = min(cpu.usable_cpus(), 2 * threads)
         alone = device.type == "cpu" and prompt_threads > threads
@@ -101,7 +99,7 @@ class Engine:
         own = any(
             isinstance(m, Int4Linear) or (isinstance(m, QuantLinear) and m.native) for m in model.talker.modules()
         )
-        self._alone = _FirstPrefill(self._running, prompt_threads, not own) if alone else generate.SOLO
+        self._alone = FirstPrefill(self._running, prompt_threads, not own) if alone else generate.SOLO
 
     @property
     def prompt_team(self) -> tuple[int, bool] | None:
@@ -375,7 +373,7 @@ class Engine:
             frames = scheduler.source(request, should_stop)  # SchedulerBusy here: nothing to undo
         self._running.enter()  # until the stream closes: its vocoder works until then
         if scheduler is None:
-            frames = lambda stop: self._timeline(request, _either(stop, should_stop), self._alone, generate.SOLO)  # noqa: E731
+            frames = lambda stop: segments(self, request, _either(stop, should_stop), self._alone, generate.SOLO)  # noqa: E731
         try:
             stream = SpeechStream(
                 frames,
@@ -451,69 +449,9 @@ class Engine:
         self._running.enter()
         try:
             first = self._alone if steps is generate.SOLO else steps  # the first segment's
-            yield from self._timeline(request, should_stop, first, steps)
+            yield from segments(self, request, should_stop, first, steps)
         finally:
             self._running.leave()
-
-    def _timeline(
-        self, request: Request, should_stop: Callable[[], bool] | None, first: generate.Steps, steps: generate.Steps
-    ) -> Iterator[torch.Tensor | Segment]:
-        rate, per_frame = self.vocoder.cfg.sample_rate, self.vocoder.cfg.samples_per_frame
-        start, previous = 0, None
-        for index, part in enumerate(request.parts or (None,)):
-            made: list[torch.Tensor] = []
-            guard = None
-            if index == 1:
-                first = steps
-            if part is None:  # live text: one segment, as long as max_new_tokens allows
-                reason = yield from _kept(self._live_frames(request, should_stop, first), made)
-                text = request.live.text if request.live is not None else ""
-            else:
-                cond = _continued(request, previous)
-                with steps.exclusive():
-                    prompt = build_prompt(self.model, part.text_ids, cond, request.non_streaming_mode)
-                generator = torch.Generator(device=self.device).manual_seed(part.seed)
-                guard = Guard(part.budget, request.long_text.loop_frames) if request.guarded else None
-                frames = generate.frames(self.model, prompt, request.options, generator, should_stop, guard, first)
-                reason, text = (yield from _kept(frames, made)), part.text
-            end = start + len(made) * per_frame
-            yield Segment(index, text, start, end, reason, rate)
-            if reason == CANCELLED:
-                return
-            looped = guard is not None and guard.looped
-            start, previous = end, (None if looped else part, made)
-
-    def _live_frames(
-        self, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
-    ) -> Generator[torch.Tensor, None, str]:
-        prompt = self._live_prompt(request, should_stop, steps)
-        if prompt is None:  # stopped while waiting for live text
-            return CANCELLED
-        generator = torch.Generator(device=self.device).manual_seed(request.seed)
-        return (yield from generate.frames(self.model, prompt, request.options, generator, should_stop, None, steps))
-
-    def _live_prompt(
-        self, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
-    ) -> Prompt | None:
-        live = request.live
-        assert live is not None
-        live.should_stop = should_stop
-        whole = needs_whole_text(request.cond, request.non_streaming_mode)
-        if not live.start() or not (live.wait_for_end() if whole else live.need(1)):
-            return None
-        if whole:  # all of the text goes into the prompt: it must fit the model's positions too
-            bounded(self.rules, request, len(live.ids))
-        ids = self.tokenizer.wrap_assistant(live.ids if whole else live.ids[:1])
-        with steps.exclusive():
-            prompt = build_prompt(self.model, ids, request.cond, request.non_streaming_mode)
-        if not whole:  # the trailing text track, one token per frame as it arrives
-
-            def embed(token: int) -> torch.Tensor:
-                with steps.exclusive():
-                    return self.model.talker.embed_text(torch.tensor([[token]], device=self.device))
-
-            prompt.text_source = live_trailing(live, embed, prompt.eos, prompt.pad)
-        return prompt
 
     def scheduler(
         self,
@@ -547,65 +485,6 @@ class Engine:
 def stage_threads() -> int:
     """torch threads per stage by default: half the CPUs this process may run on, at least one."""
     return max(1, cpu.usable_cpus() // 2)
-
-
-class _Running:
-    """How many timelines and open streams an engine has (a scheduler's stream counts as both):
-    `enter` counts one in, `leave` one out."""
-
-    def __init__(self) -> None:
-        self._lock, self._count = threading.Lock(), 0
-
-    def enter(self) -> None:
-        with self._lock:
-            self._count += 1
-
-    def leave(self) -> None:
-        with self._lock:
-            self._count -= 1
-
-    def count(self) -> int:
-        with self._lock:
-            return self._count
-
-
-class _FirstPrefill(generate.Steps):
-    """The steps of a request's first segment outside a scheduler: its prefill on every core of the
-    two stages (`prompt_threads`, a `cpu.team`) if, when it runs, the engine has nothing open or
-    running but this request (live text may wait long for its first words); else on torch's."""
-
-    def __init__(self, running: _Running, prompt_threads: int, openmp: bool):
-        super().__init__(prompt_threads, openmp)
-        self.running = running
-
-    def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
-        threads = self.prompt_threads if self.running.count() == 1 else None
-        return generate.prefill(model, prompt, opts, generator, threads, self.openmp)
-
-
-def _kept(frames: Generator[torch.Tensor, None, str], into: list[torch.Tensor]) -> Generator[torch.Tensor, None, str]:
-    """`frames` passed on, each also appended to `into`; returns their finish reason."""
-    while True:
-        try:
-            frame = next(frames)
-        except StopIteration as end:
-            return end.value
-        into.append(frame)
-        yield frame
-
-
-def _continued(request: Request, previous: tuple[Part | None, list[torch.Tensor]] | None) -> Conditioning:
-    """A segment's conditioning: the request's voice, continuing the previous segment (None: one not
-    to continue) with `carry_context` (Base checkpoints: its text and frames in place of the voice's
-    reference)."""
-    voice = request.cond.voice
-    if not request.long_text.carry_context or previous is None or voice is None:
-        return request.cond
-    part, made = previous
-    if part is None or not made:
-        return request.cond
-    context = Voice(voice.x_vector, torch.stack(made), part.text, voice.model)
-    return replace(request.cond, voice=context, ref_text_ids=part.text_ids[ROLE_IDS:-CLOSING_IDS])
 
 
 def _shifted(segment: Segment, samples: int) -> Segment:
