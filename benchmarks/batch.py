@@ -1,7 +1,7 @@
 """Many streams at once through the scheduler on a real-size random checkpoint: aggregate audio
 seconds per wall second, per-stream RTF, TTFB p50/p95 and continuity, by concurrency.
 
-    python benchmarks/batch.py [--size 0.6B] [--dtypes int8,bfloat16] [--concurrency solo,4q,4,1/4]
+    python benchmarks/batch.py [--size 0.6B] [--dtypes int8,int8/bfloat16] [--concurrency solo,4q,4,1/4]
                                [--requests 16] [--frames 15-40] [--gap 0.3] [--ramp S]
                                [--max-chunk-frames N] [--vocoder-lanes 1,2] [--vocoder-dtype D]
                                [--json out.json]
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import longest_wait, machine, prepared_checkpoint
+from common import longest_wait, machine, precisions, prepared_checkpoint
 
 from kazeia import Engine
 
@@ -193,7 +193,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16, help="requests per level (split among the clients)")
     parser.add_argument("--frames", default="15-40", help="frames per request, a range MIN-MAX")
     parser.add_argument("--gap", type=float, default=0.3, help="mean pause between a client's requests (s)")
-    parser.add_argument("--vocoder-dtype", default="float32", help="float32 (exact audio) or bfloat16")
+    parser.add_argument(
+        "--vocoder-dtype", default="float32", help="float32 (exact audio) or bfloat16, where --dtypes names none"
+    )
     parser.add_argument("--ramp", type=float, help="clients start within this many seconds (default: --gap)")
     parser.add_argument("--vocoder-lanes", default="", help="vocoder lanes, e.g. 1,2 (default: the scheduler's)")
     parser.add_argument(
@@ -204,8 +206,10 @@ def main() -> None:
     low, _, high = args.frames.partition("-")
     frames = (int(low), int(high or low))
     report: dict = {"args": vars(args), "runs": []}
-    for dtype in args.dtypes.split(","):
-        engine = Engine.load(prepared_checkpoint(args.size, dtype), dtype=dtype, vocoder_dtype=args.vocoder_dtype)
+    for config in args.dtypes.split(","):  # DTYPE, or DTYPE/VOCODER_DTYPE as bench.py takes them
+        chosen = precisions(config if "/" in config else f"{config}/{args.vocoder_dtype}")
+        dtype, vocoder = chosen["dtype"], chosen["vocoder_dtype"]
+        engine = Engine.load(prepared_checkpoint(args.size, dtype), dtype=dtype, vocoder_dtype=vocoder)
         if "machine" not in report:  # after loading: the engine sets the thread count
             report["machine"] = machine()
             print(json.dumps(report["machine"]))
@@ -214,7 +218,7 @@ def main() -> None:
         for name in args.concurrency.split(","):
             for lane in lanes if level(name)[1] is not None else [None]:
                 got = run_level(engine, name, args.requests, frames, args.gap, args.max_chunk_frames, args.ramp, lane)
-                row = {"dtype": dtype, "vocoder_dtype": args.vocoder_dtype, **got}
+                row = {"dtype": dtype, "vocoder_dtype": vocoder, **got}
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
     if args.json:
