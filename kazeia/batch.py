@@ -35,6 +35,7 @@ from .native.linear import NativeLinear
 from .prompt import frame_embedding
 from .quant import QuantLinear
 from .sampling import sample, talker_scores
+from .vocoder import no_pause
 
 MAX_ROWS = 256  # rows one native product takes (gemv.c); a batch of B needs 2 B in the predictor
 
@@ -113,12 +114,11 @@ class Batch:
 
     @torch.inference_mode()
     def decode_frames(
-        self, states: list[Decoding], texts: list[torch.Tensor], pause: Callable[[], None] | None = None
+        self, states: list[Decoding], texts: list[torch.Tensor], pause: Callable[[], None] = no_pause
     ) -> list[torch.Tensor | None]:
         """`generate.decode_frame` for each request: states[b] steps on its text-track vector
         texts[b] (1, 1, H) -> its next codes (1, 16), or None at its EOS or token limit.
         `pause()`: called between the step's stages (module docstring); the results are the same."""
-        pause = pause or _go_on
         if len(states) != len(texts):
             raise ValueError(f"{len(states)} requests but {len(texts)} text vectors")
         if len(states) > self.max_batch:
@@ -195,7 +195,3 @@ class Batch:
                 )  # fmt: skip
                 codes[b].append(token)
         return [torch.stack(c, dim=1) for c in codes]
-
-
-def _go_on() -> None:
-    """No pause: the step runs to its end."""

@@ -347,8 +347,7 @@ class Scheduler:
                     return
                 self._lock.wait_for(partial(self._resubmitted, previous), GRACE_S)
                 if self._urgent:  # a stream's own work goes first (`_exclusive`), then its prefill may follow
-                    self._lock.wait_for(lambda: not self._urgent or self._closed)
-                    self._lock.wait_for(self._prefill_waiting, PROMPT_GRACE_S)
+                    self._after_own_work()
                 self._idle(self._due, poll=PACE_POLL_S)  # a stream's need of frames changes without a notice
                 prefills = [w for w in self._pending if w.prefill is not None]
                 decodes = [w for w in self._pending if w.decode is not None]
@@ -379,11 +378,17 @@ class Scheduler:
         """Has every stream of the last step submitted its next one (or the scheduler closed)?"""
         return self._closed or not previous - {w.owner for w in self._pending}
 
+    def _after_own_work(self) -> None:
+        """Wait (holding the lock) for the streams' own work on the model to end, then up to
+        PROMPT_GRACE_S for the prefill it may submit."""
+        self._lock.wait_for(lambda: not self._urgent or self._closed)
+        self._lock.wait_for(self._prefill_waiting, PROMPT_GRACE_S)
+
     def _prefill_waiting(self) -> bool:
         return self._closed or any(w.prefill is not None for w in self._pending)
 
     def _prefill_all(self, prefills: list[_Work]) -> None:
-        """The prompts waiting at this frame boundary (`_prefills`), holding the model."""
+        """The prompts waiting at this frame boundary (`_prefills_held`), holding the model."""
         with self._model_lock:
             self._prefills_held(prefills)
 
@@ -393,15 +398,14 @@ class Scheduler:
         waiting run, and the step goes on. A stream that joins during a step so starts within a
         stage of it (at most a few ms) rather than at its end; the step's rows wait untouched."""
         with self._lock:
-            if self._closed or not (self._urgent or any(w.prefill is not None for w in self._pending)):
+            if self._closed or not (self._urgent or self._prefill_waiting()):
                 return
             urgent = bool(self._urgent)
         if urgent:
             self._model_lock.release()
             try:
                 with self._lock:
-                    self._lock.wait_for(lambda: not self._urgent or self._closed)
-                    self._lock.wait_for(self._prefill_waiting, PROMPT_GRACE_S)
+                    self._after_own_work()
             finally:
                 self._model_lock.acquire()
         with self._lock:

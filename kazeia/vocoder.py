@@ -49,7 +49,7 @@ OFFLINE_BLOCK = 32
 
 
 def no_pause() -> None:
-    """Vocoder.decode_chunk's default `pause`: go on at once."""
+    """The default `pause` of Vocoder.decode_chunk and Batch.decode_frames: go on at once."""
 
 
 class WindowCache:
