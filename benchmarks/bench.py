@@ -183,7 +183,7 @@ def _products(engine) -> tuple[list, list, list]:
     from torch import nn
 
     from kazeia.int4 import HeadLinear, Int4Linear
-    from kazeia.layers import PackedLinear
+    from kazeia.matmul import PackedLinear
     from kazeia.native.linear import NativeLinear
     from kazeia.quant import QuantLinear
 

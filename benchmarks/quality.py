@@ -43,7 +43,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         if dtype.startswith("q4_k_m"):
             engine = Engine.load(path)
-            apply_q4_k_m(engine.model, "float" if dtype.endswith("/exact") else "q8_k")
+            apply_q4_k_m(engine, "float" if dtype.endswith("/exact") else "q8_k")
         else:
             engine = Engine.load(path, **precisions(dtype))
         results[dtype] = asdict(compare(engine, baseline, TEXT, args.frames, voice="serena"))

@@ -3,9 +3,9 @@
 from .config import CheckpointError
 from .engine import SAMPLE_RATE, Engine, Metrics, Speech
 from .errors import RequestError
+from .options import StreamOptions, SynthesisOptions
 from .sampling import SamplingOptions
-from .segment import LongTextOptions
-from .streaming import Segment
+from .segment import LongTextOptions, Segment
 from .voices import Voice
 
 __all__ = [
@@ -13,6 +13,8 @@ __all__ = [
     "Speech",
     "Metrics",
     "Segment",
+    "SynthesisOptions",
+    "StreamOptions",
     "LongTextOptions",
     "SamplingOptions",
     "Voice",

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import LINEAR_POINTWISE, pack_weight
+from .matmul import LINEAR_POINTWISE, pack_weight
 
 SNAKE_EPS = 1e-9
 # Inputs per call from which a transposed conv runs as one polyphase conv (`TimeMajorTransConv`):
@@ -214,7 +214,7 @@ class TimeMajorTransConv(_TimeMajorTail, TransConv):
     @torch.no_grad()
     def pack(self) -> None:
         """Put the weight in oneDNN's packed matmul layout (CPU, float32 or bfloat16; see
-        `layers.can_pack`) in place of conv.weight; the polyphase path, which needs the original,
+        `matmul.can_pack`) in place of conv.weight; the polyphase path, which needs the original,
         is then off."""
         cin, cout, k = self.shape
         weight = self.conv.weight.reshape(cin, cout * k).t()  # (C_out*k, C_in), a Linear's (a view: no copy)

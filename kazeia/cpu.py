@@ -33,6 +33,7 @@ import platform
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 FEATURES = ("avx2", "avx512", "vnni", "bf16", "f16")
 ENV = "KAZEIA_ISA"
@@ -215,6 +216,14 @@ def _omp_set_num_threads() -> Callable[[int], int] | None:
         return None
 
 
+class Team(NamedTuple):
+    """The threads a block of work runs on (`team`): a count, or a function asked for it at each of
+    Kazeia's own products (None: as they are), and whether torch's parallel regions take them too."""
+
+    threads: int | Callable[[], int] | None
+    openmp: bool = True
+
+
 _local = threading.local()
 
 
@@ -223,16 +232,6 @@ def native_threads() -> int:
     `team`'s (asked at each call where the team is a callable), else one."""
     threads = getattr(_local, "threads", 1)
     return threads() if callable(threads) else threads
-
-
-# Activation rows from which Kazeia's own products (int4.c, int8.c) split their weight rows over
-# the calling thread's team: a prompt's; a decoding step's few rows stay on one thread.
-SPLIT_MIN_ROWS = 8
-
-
-def product_threads(rows: int) -> int:
-    """The threads one of those products of `rows` activation rows takes here."""
-    return native_threads() if rows >= SPLIT_MIN_ROWS else 1
 
 
 @contextlib.contextmanager

@@ -98,7 +98,7 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-class Block(nn.Module):
+class LayerNormBlock(nn.Module):
     """Pre-LayerNorm transformer layer with per-channel layer scales on both residual branches."""
 
     def __init__(self, cfg: EncoderConfig):
@@ -116,10 +116,12 @@ class Block(nn.Module):
         return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
 
 
-class Transformer(nn.Module):
+class ClipTransformer(nn.Module):
+    """Layers over a whole clip (full causal attention, RoPE from position 0)."""
+
     def __init__(self, cfg: EncoderConfig):
         super().__init__()
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LayerNormBlock(cfg) for _ in range(cfg.num_layers))
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +153,7 @@ class ResidualQuantizer(nn.Module):
         return torch.stack(codes, dim=1)
 
 
-class Quantizer(nn.Module):
+class SplitRVQ(nn.Module):
     """Split RVQ: the semantic and the acoustic quantizers both read the same embeddings."""
 
     def __init__(self, cfg: EncoderConfig):
@@ -174,10 +176,10 @@ class Encoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.encoder = SEANet(cfg)
-        self.encoder_transformer = Transformer(cfg)
+        self.encoder_transformer = ClipTransformer(cfg)
         kernel, stride = cfg.downsample_kernel, cfg.downsample_stride
         self.downsample = Conv(cfg.hidden_size, cfg.hidden_size, kernel, stride, bias=False, replicate=True)
-        self.quantizer = Quantizer(cfg)
+        self.quantizer = SplitRVQ(cfg)
 
     @classmethod
     def load(cls, speech_tokenizer_dir: str | os.PathLike, device: torch.device | str = "cpu") -> Encoder:

@@ -30,9 +30,9 @@ import os
 import torch
 from torch import nn
 
-from . import cpu
-from .layers import matrix_product, replace_linears
-from .native import Product, address
+from .matmul import matrix_product, replace_linears
+from .placement import product_threads
+from .products import ProductSpec, RowProduct, address, check
 
 GROUP = 32  # weights per step and offset
 UNIT = 64  # two groups: one 32-byte block of codes (kazeia/native/int4.c)
@@ -164,6 +164,8 @@ def reference_product(x: torch.Tensor, stored: dict[str, torch.Tensor], bias: to
 class Int4Linear(nn.Module):
     """y = x @ W.T + b with W in 4-bit groups; x, y and b float32; products in kazeia/native/int4.c."""
 
+    splits_rows = True  # a prompt's product on the calling thread's team (kazeia/products.py)
+
     def __init__(self, stored: dict[str, torch.Tensor], bias: torch.Tensor | None, lib: ctypes.CDLL):
         super().__init__()
         packed = stored["qweight"]
@@ -199,22 +201,23 @@ class Int4Linear(nn.Module):
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         product = self._product()
         args = (rows.data_ptr(), self._bias, y.data_ptr(), self.out_features, self.in_features, rows.shape[0])
-        threads = cpu.product_threads(rows.shape[0])
-        if threads > 1:  # a prompt's product on a team (generate.prefill): the same results, sooner
+        threads = product_threads(rows.shape[0])
+        if threads > 1:  # a prompt's product on a team (a prefill: kazeia/frame.py): the same results, sooner
             status = self.lib.int4_gemm(*self._addresses(), *args, threads)
         else:
             status = product(*args)
-        if status == -2:
-            raise MemoryError(f"int4 product of {rows.shape[0]} rows: out of memory")
-        if status != 0:
-            raise RuntimeError(f"int4 product refused {rows.shape[0]} x {self.in_features} -> {self.out_features}")
+        check(status, f"the int4 product of {rows.shape[0]} x {self.in_features} -> {self.out_features}")
         return y.view(*x.shape[:-1], self.out_features)
 
+    def row_product(self) -> RowProduct:
+        """`forward`: each row is rounded and summed on its own (kazeia/products.py)."""
+        return self.forward
+
     def product_spec(self, dtype: torch.dtype) -> tuple | None:
-        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        """This product for stack.c (`products.ProductSpec`) in activations of `dtype`, or None."""
         if dtype != torch.float32:
             return None
-        return (Product.INT4, 0, *self._addresses(), address(self.bias), self.out_features, self.in_features)
+        return (ProductSpec.INT4, 0, *self._addresses(), address(self.bias), self.out_features, self.in_features)
 
     def _addresses(self) -> tuple[int, ...]:
         """The addresses of the stored tensors, in int4_gemv's order (codes, steps, offsets, factors)."""
@@ -232,7 +235,7 @@ class Int4Linear(nn.Module):
 
 class HeadLinear(nn.Module):
     """An output head (logits): bfloat16 weights, float32 activations and sums, in gemv.c's
-    `gemv_wide` for one or two rows (`layers.matrix_product` on the widened weight for more)."""
+    `gemv_wide` for one or two rows (`matmul.matrix_product` on the widened weight for more)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL):
         super().__init__()
@@ -248,19 +251,29 @@ class HeadLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        if rows.shape[0] > 2:
-            y = matrix_product(rows, self.weight.float(), self.bias)
-        else:
-            y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-            self.lib.gemv_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),
-                               self.out_features, self.in_features, rows.shape[0])  # fmt: skip
+        y = matrix_product(rows, self.weight.float(), self.bias) if rows.shape[0] > 2 else self._gemv(rows)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def row_product(self) -> RowProduct:
+        """`gemv_wide` on any number of rows, each reduced as alone (kazeia/products.py)."""
+        return self._gemv
+
+    def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (m, in) -> (m, out) float32 through gemv.c's `gemv_wide`."""
+        rows = rows.reshape(-1, self.in_features).float().contiguous()
+        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        if rows.shape[0] == 0:
+            return y
+        status = self.lib.gemv_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),
+                                    self.out_features, self.in_features, rows.shape[0])  # fmt: skip
+        check(status, f"the bfloat16 head product of {rows.shape[0]} rows")
+        return y
+
     def product_spec(self, dtype: torch.dtype) -> tuple | None:
-        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        """This product for stack.c (`products.ProductSpec`) in activations of `dtype`, or None."""
         if dtype != torch.float32:
             return None
-        return (Product.WIDE, 1, self.weight_bits.data_ptr(), None, None, None, address(self.bias),
+        return (ProductSpec.WIDE, 1, self.weight_bits.data_ptr(), None, None, None, address(self.bias),
                 self.out_features, self.in_features)  # fmt: skip
 
 

@@ -30,7 +30,7 @@ class VocoderLanes:
     """At most `lanes` vocoder decodes at once; the others wait in order of (first chunk or not,
     deadline), the deadline being when the stream's listener runs out of audio (kazeia/scheduler.py).
     A decode that is not a first chunk gives its lane up at its next pause point (`Vocoder.
-    decode_chunk`'s `pause`, every ~17 ms or less) to a first chunk that waits for one, and gets it
+    decode_chunk`'s `pause`, between its stages) to a first chunk that waits for one, and gets it
     back before the decodes that have not started."""
 
     def __init__(self, lanes: int, spare: int = 0):

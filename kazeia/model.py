@@ -18,7 +18,8 @@ from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
 from .int4 import quantize_linears as int4_linears
-from .layers import can_pack, fuse_projections, pack_linears, replace_linears
+from .layers import fuse_projections
+from .matmul import can_pack, pack_linears, replace_linears
 from .native import linear as native_linear
 from .prepared import QUANTIZED, load_quantized, prepared_dtype
 from .quant import QuantEmbedding, int8_supported, quantize_linears
@@ -71,7 +72,7 @@ class TTSModel(nn.Module):
                 )
         if prepared in QUANTIZED:  # products stored quantized and fused: nothing to convert
             fuse_projections(model)  # on the meta device: the fused shapes
-            load_quantized(model, path, prepared, lib)
+            load_quantized(model, path, prepared, lib, SKIPPED_PREFIXES)
             model.choose_steps(lib)
             return model.eval()
         # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep
@@ -114,11 +115,9 @@ class TTSModel(nn.Module):
     def choose_steps(self, lib) -> None:
         """Decoding steps (one sequence, 1-2 positions): the C glue between the products where the
         native library supports these activations, else the eager layers (always for prompts)."""
-        from .batch import row_product  # batch.py builds on this module
-
         activations = self.talker.norm.weight.dtype
         for stack in (self.talker, self.code_predictor):
-            stack.native_step = native.stack_step(lib, stack.layers, stack.norm, activations, row_product)
+            stack.native_step = native.stack_step(lib, stack.layers, stack.norm, activations)
 
 
 def rename(

@@ -20,21 +20,21 @@ The values are those quantizing at load gives, so a prepared checkpoint speaks e
 source loaded in the same precision (tested); they do not depend on the CPU.
 
 The file's safetensors metadata says what it is (`format`, `version`, `dtype`); loading checks it,
-and a prepared checkpoint loads only in its own precision (`Engine.load` picks it by default).
+and a prepared checkpoint loads only in its own precision (`Engine.load` picks it by default). This
+module reads the format (kazeia/model.py loads through it); kazeia/prepare.py writes it.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .checkpoint import DTYPES, load_tensors, resolve
-from .config import CheckpointError, ModelConfig
+from .checkpoint import DTYPES, load_tensors
+from .config import CheckpointError
 
 FORMAT, VERSION = "kazeia-prepared", "1"
 QUANTIZED = ("int8", "int4")  # stored under module names, as the products multiply them
@@ -60,79 +60,17 @@ def prepared_dtype(path: Path) -> str | None:
     return meta["dtype"]
 
 
-def quantize(source: str | os.PathLike, target: str | os.PathLike, dtype: str, *, offline: bool | None = None) -> Path:
-    """Write the checkpoint `source` (a directory or hub id) prepared for `dtype` into the new
-    directory `target`; returns it. Every other file is copied unchanged."""
-    from safetensors.torch import save_file
-
-    from .model import SKIPPED_PREFIXES, TTSModel, rename
-
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
-    target = Path(target)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"{target} exists and is not an empty directory; choose a new one")
-    files = resolve(source, offline=offline)
-    weights = files[WEIGHTS]
-    if (already := prepared_dtype(weights)) is not None:
-        raise ValueError(f"{weights} is already prepared (for {already}); prepare the released checkpoint instead")
-    cfg = ModelConfig.from_file(files["config.json"])
-
-    def kept(name: str) -> bool:  # the speaker encoder's tensors (Base), as released
-        return name.startswith(SKIPPED_PREFIXES)
-
-    if dtype in QUANTIZED:  # the model loads the file itself; only the kept tensors are read here
-        tensors = {**stored_tensors(TTSModel.load(cfg, weights, "cpu", dtype)), **load_tensors(weights, wanted=kept)}
-    else:
-        released = load_tensors(weights, mmap=False)
-        rename(released, str(weights), skip_speaker_encoder=cfg.tts_model_type == "base")  # checks every name
-        floats = DTYPES[dtype]
-        tensors = {n: t if kept(n) or not t.is_floating_point() else t.to(floats) for n, t in released.items()}
-        del released
-    root = os.path.realpath(files.root)
-
-    def weights_file(directory: str, names: list[str]) -> list[str]:  # only the top-level one
-        return [WEIGHTS] if os.path.realpath(directory) == root and WEIGHTS in names else []
-
-    shutil.copytree(files.root, target, ignore=weights_file, dirs_exist_ok=True)
-    tensors = {name: t.contiguous() for name, t in tensors.items()}
-    save_file(tensors, str(target / WEIGHTS), metadata={"format": FORMAT, "version": VERSION, "dtype": dtype})
-    return target
-
-
-def stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A model loaded with dtype="int8" or "int4" -> the tensors of its prepared file (module names)."""
-    from .int4 import HeadLinear, Int4Linear
-    from .quant import QuantLinear
-
-    out: dict[str, torch.Tensor] = {}
-    products = (QuantLinear, Int4Linear, HeadLinear)
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear):
-            out[f"{name}.qweight"], out[f"{name}.scales"] = module.stored
-        elif isinstance(module, Int4Linear):
-            out.update({f"{name}.{key}": t for key, t in module.stored.items()})
-        elif isinstance(module, HeadLinear):
-            out[f"{name}.weight"] = module.weight
-        if isinstance(module, products) and module.bias is not None:
-            out[f"{name}.bias"] = module.bias
-    for name, tensor in model.state_dict().items():  # QuantEmbedding tables included, as they are
-        if not isinstance(model.get_submodule(name.rpartition(".")[0]), products):
-            out[name] = tensor
-    return out
-
-
-def load_quantized(model: nn.Module, path: Path, dtype: str, lib) -> None:
+def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple[str, ...] = ()) -> None:
     """Fill `model` (built on the meta device, projections fused) from a prepared int8 or int4
     file: the products become the modules of the stored values (QuantLinear; Int4Linear or, for the
     output heads, HeadLinear), the text embedding a QuantEmbedding, the rest is assigned strictly
-    (a missing, unexpected or mis-shaped tensor names itself)."""
+    (a missing, unexpected or mis-shaped tensor names itself). Tensors whose names start with one
+    of `skipped` are another module's (a Base checkpoint's speaker encoder)."""
     from . import int4
     from .checkpoint import assign
-    from .model import SKIPPED_PREFIXES
     from .quant import QuantEmbedding
 
-    tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(SKIPPED_PREFIXES))
+    tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(skipped))
     wide = int4.wide_products(model) if dtype == "int4" else set()
     jobs = []  # (parent, attribute, a function making the product)
     for parent_name, parent in list(model.named_modules()):

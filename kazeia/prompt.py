@@ -31,12 +31,10 @@ from .config import ModelConfig
 from .errors import RequestError
 from .model import TTSModel
 from .talker import Talker
+from .text import CLOSING_IDS, ROLE_IDS
 
 if TYPE_CHECKING:
     from .voices import Voice
-
-ROLE_IDS = 3  # <|im_start|> assistant \n
-CLOSING_IDS = 5  # <|im_end|> \n <|im_start|> assistant \n
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class Prompt:
     eos: torch.Tensor  # (1, 1, H) tts_eos text vector
     # Leading positions of `embeds` that come from the voice alone (instruct, role and control ids,
     # the speaker row or x-vector), never from the text: the same in every request of that voice
-    # (generate.prefill keeps the talker's keys and values over them).
+    # (frame.FrameStep.prefill keeps the talker's keys and values over them).
     voiced: int = 0
     # Live text (kazeia/live.py): step -> text vector, waiting for text to arrive; None = stop.
     text_source: Callable[[int], torch.Tensor | None] | None = None

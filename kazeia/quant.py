@@ -8,17 +8,17 @@ for the vocoder, which is compute-bound and stays float32.
 Products, where the native library is built (kazeia/native/int8.c): each activation row is rounded
 to 16 bits on a grid of its own (step max |x| / 32767) and multiplied by the int8 weights in exact
 integer arithmetic, then scaled once (`reference_product` is the definition, in float64). 8-bit
-activations would cost as much accuracy as the weights' rounding (~0.8 % of a product on the
-real-size model); 16 bits leave only the weights'. A row's result depends on that row alone, in
-every build (AVX-512, AVX2, plain C compute the same integers): a batched step gives each request
-exactly its solo result (kazeia/batch.py), and solo and batched steps are the same computation.
+activations would cost as much accuracy as the weights' rounding (BENCHMARKS.md, quality); 16 bits
+leave only the weights'. A row's result depends on that row alone, in every build (AVX-512, AVX2,
+plain C compute the same integers): a batched step gives each request exactly its solo result
+(kazeia/frame.py), and solo and batched steps are the same computation.
 
 Without the native library: the CPU's dynamic-activation int8 GEMM (`torch.ops.quantized.
 linear_dynamic`, fbgemm), which takes one 8-bit grid for its whole input; each input is sent with a
 second row, its rounding residual x - Q(x) scaled up by a power of two f that keeps it inside the
 first row's range, and the output is row 0 + row 1 / f (`split_rows`): the activation error shrinks
 by f (typically 128) at the same weight reads. Results differ from the native product's by
-rounding; that path has no batched step (kazeia/batch.py runs such requests one by one).
+rounding; that path has no batched step (kazeia/frame.py steps such requests one by one).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from . import cpu
-from .layers import replace_linears
-from .native import Product, address
+from .matmul import replace_linears
+from .placement import product_threads
+from .products import ProductSpec, RowProduct, address, check
 
 INT8_MAX = 127.0
 MAX_EXPONENT = 17  # residual factors up to 2^16 (decode.c has the same bound)
@@ -204,6 +205,11 @@ class QuantLinear(nn.Module):
         return self.lib is not None
 
     @property
+    def splits_rows(self) -> bool:
+        """int8.c splits a prompt's product over the calling thread's team (kazeia/products.py)."""
+        return self.lib is not None
+
+    @property
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The int8 values (out, in) and float32 row scales this product multiplies by (`quantize_weight`)."""
         if self.lib is not None:
@@ -223,14 +229,11 @@ class QuantLinear(nn.Module):
         rows = rows.float().contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.out_features, dtype=torch.float32)
-        threads = cpu.product_threads(m)
+        threads = product_threads(m)
         status = self.lib.int8_gemm(self.qweight.data_ptr(), self.scales.data_ptr(), rows.data_ptr(),
                                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                     self.out_features, self.in_features, m, threads)  # fmt: skip
-        if status == -2:
-            raise MemoryError(f"int8 product of {m} rows: out of memory")
-        if status != 0:
-            raise RuntimeError(f"int8 product refused {m} x {self.in_features} -> {self.out_features}")
+        check(status, f"the int8 product of {m} x {self.in_features} -> {self.out_features}")
         return y
 
     def eager(self, rows: torch.Tensor) -> torch.Tensor:
@@ -244,11 +247,16 @@ class QuantLinear(nn.Module):
             y = y + self.bias
         return y
 
+    def row_product(self) -> RowProduct | None:
+        """`forward` where int8.c runs it (each row on its own grid: kazeia/products.py); None for
+        the int8 GEMM, whose one activation grid spans all rows of a call."""
+        return self.forward if self.lib is not None else None
+
     def product_spec(self, dtype: torch.dtype) -> tuple | None:
-        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        """This product for stack.c (`products.ProductSpec`) in activations of `dtype`, or None."""
         if self.lib is None or dtype != torch.float32:
             return None
-        return (Product.INT8, 0, self.qweight.data_ptr(), self.scales.data_ptr(), None, None, address(self.bias),
+        return (ProductSpec.INT8, 0, self.qweight.data_ptr(), self.scales.data_ptr(), None, None, address(self.bias),
                 self.out_features, self.in_features)  # fmt: skip
 
 

@@ -23,7 +23,7 @@ MAX_PERIOD = 8  # longest codebook-0 pattern (frames, 640 ms) whose repetition c
 STILL_TOKENS = 3  # a window with at most this many distinct codebook-0 tokens is a held sound
 
 
-class Guard:
+class RunawayGuard:
     """Watches one segment's frames: `stops(token)` after each frame says whether to end it there."""
 
     def __init__(self, budget: int | None, loop_frames: int):

@@ -10,11 +10,10 @@ takes an explicit `torch.Generator`; no global RNG state is read or written.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-from typing_extensions import TypedDict
 
 from .config import CheckpointError, read_json
 from .errors import RequestError
@@ -25,44 +24,32 @@ FILE_FALLBACKS = {"max_new_tokens": 2048}
 # Temperatures and the repetition penalty divide float32 logits (|x| < ~100): below this the
 # quotients overflow to infinity and sampling meets NaN. Anything that small is greedy in effect.
 MIN_DIVISOR = 1e-3
+MAX_SEED = 2**63  # seeds are integers in [0, MAX_SEED)
 MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two talker tokens
 CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, never sampled (except EOS)
 
 
-def _option(default, help: str):
-    """A field with its one-line description (shown by `kazeia say --help`)."""
-    return field(default=default, metadata={"help": help})
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Generation options, named as in the reference's `generate_*` functions (the defaults are the
+    released generation_config.json's). A call sets them through `SynthesisOptions` (kazeia/options.py,
+    where each is described); a checkpoint's own defaults fill what a call leaves out."""
 
-
-class Described:
-    """Options whose fields are made with `_option`: their names and descriptions, for front ends."""
+    do_sample: bool = True  # talker: sample codebook 0 (False: greedy argmax)
+    temperature: float = 0.9  # talker logits are divided by this before top-k/top-p
+    top_k: int = 50  # keep the k most likely codebook-0 tokens (0: no limit)
+    top_p: float = 1.0  # nucleus: keep the smallest set with this probability mass (1.0: off)
+    repetition_penalty: float = 1.05  # >1 discourages repeating generated codebook-0 tokens (1.0: off)
+    max_new_tokens: int = 8192  # talker tokens incl. the final EOS/cut-off one; frames <= this - 1
+    subtalker_dosample: bool = True  # code predictor: sample codebooks 1..15 (False: greedy)
+    subtalker_temperature: float = 0.9  # code predictor: temperature
+    subtalker_top_k: int = 50  # code predictor: top-k (0: no limit)
+    subtalker_top_p: float = 1.0  # code predictor: top-p (1.0: off)
+    ignore_eos: bool = False  # never sample EOS: exactly max_new_tokens - 1 frames (benchmarks)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
-
-    @classmethod
-    def describe(cls) -> dict[str, tuple[type, str]]:
-        """name -> (type of its values, one-line description), for front ends' flags."""
-        return {f.name: (type(f.default), f.metadata["help"]) for f in fields(cls)}  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class SamplingOptions(Described):
-    """Generation options, named as in the reference's `generate_*` functions (the defaults are the
-    released generation_config.json's)."""
-
-    do_sample: bool = _option(True, "talker: sample codebook 0 (False: greedy argmax)")
-    temperature: float = _option(0.9, "talker logits are divided by this before top-k/top-p")
-    top_k: int = _option(50, "keep the k most likely codebook-0 tokens (0: no limit)")
-    top_p: float = _option(1.0, "nucleus: keep the smallest set with this probability mass (1.0: off)")
-    repetition_penalty: float = _option(1.05, ">1 discourages repeating generated codebook-0 tokens (1.0: off)")
-    max_new_tokens: int = _option(8192, "talker tokens incl. the final EOS/cut-off one; frames <= this - 1")
-    subtalker_dosample: bool = _option(True, "code predictor: sample codebooks 1..15 (False: greedy)")
-    subtalker_temperature: float = _option(0.9, "code predictor: temperature")
-    subtalker_top_k: int = _option(50, "code predictor: top-k (0: no limit)")
-    subtalker_top_p: float = _option(1.0, "code predictor: top-p (1.0: off)")
-    ignore_eos: bool = _option(False, "never sample EOS: exactly max_new_tokens - 1 frames (benchmarks)")
+        return tuple(f.name for f in fields(cls))
 
     def __post_init__(self) -> None:
         for name in ("do_sample", "subtalker_dosample", "ignore_eos"):
@@ -88,23 +75,6 @@ class SamplingOptions(Described):
             return cls(**{name: data[name] for name in cls.names() if name in data})
         except RequestError as e:
             raise CheckpointError(f"{path}: {e}") from None
-
-
-class SamplingKwargs(TypedDict, total=False):
-    """The keyword arguments of `Engine.synthesize` / `stream` / `request` that set `SamplingOptions`
-    fields (None, or leaving one out: the checkpoint's default)."""
-
-    do_sample: bool | None
-    temperature: float | None
-    top_k: int | None
-    top_p: float | None
-    repetition_penalty: float | None
-    max_new_tokens: int | None
-    subtalker_dosample: bool | None
-    subtalker_temperature: float | None
-    subtalker_top_k: int | None
-    subtalker_top_p: float | None
-    ignore_eos: bool | None
 
 
 def _safe_divisor(value: float) -> bool:

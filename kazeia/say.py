@@ -26,44 +26,38 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from .offline import Assembly
+from .options import StreamOptions
 from .runaway import CANCELLED
 from .streaming import AudioChunk, ChunkSchedule
-from .vocoder import OFFLINE_BLOCK
 
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 
 
-def say(engine, args, sampling: dict) -> int:
-    """Speak the text `args` describe with `engine` into `args.output`; the exit status."""
+def say(engine, args, options: StreamOptions) -> int:
+    """Speak the text `args` describe with `engine` and `options` into `args.output`; the exit status.
+    Without --stream the audio is `Engine.synthesize`'s (`Engine.assemble`); with it, the stream's."""
     started = time.perf_counter()
-    request = engine.request(
-        _text(args, streaming=args.stream),
-        voice=args.voice,
-        language=args.language,
-        instruct=args.instruct,
-        seed=args.seed,
-        non_streaming_mode=args.non_streaming_mode,
-        speed=args.speed,
-        **sampling,
-    )
-    # --stream: the smallest chunks for the first audio; else the offline blocks (synthesize's audio).
-    schedule = ChunkSchedule(args.first_chunk_frames, args.chunk_frames) if args.stream else None
+    request = engine.request(_text(args, streaming=args.stream), options)
     stop = threading.Event()
     shown = args.progress if args.progress is not None else sys.stderr.isatty()
     with _first_interrupt_stops(stop), _sink(args.output) as write:
-        stream = engine.stream_request(
-            request, schedule or ChunkSchedule(OFFLINE_BLOCK, OFFLINE_BLOCK), stop.is_set, started
-        )
+        if args.stream:  # the smallest chunks for the first audio
+            audio = stream = engine.stream_request(request, ChunkSchedule.of(options), stop.is_set, started)
+        else:
+            audio = engine.assemble(request, stop.is_set, started)
+            stream = audio.stream
         with stream, Progress(len(request.parts) or None, shown, engine.vocoder.cfg.sample_rate) as bar:
-            for chunk in stream:
+            for chunk in audio:
                 write(chunk.audio)
                 bar.advance(chunk)
+    segments = audio.segments if isinstance(audio, Assembly) else stream.segments
     m = stream.metrics
     assert m is not None  # a stream stopped by `stop` still ends with its last chunk
     where = "stdout" if args.output == "-" else args.output
     if stream.finish_reason == CANCELLED:
-        subtitles = f"; subtitles in {_subtitles(args, stream.segments)}" if args.subtitles else ""
-        spoken = sum(s.end_sample > s.start_sample for s in stream.segments)
+        subtitles = f"; subtitles in {_subtitles(args, segments)}" if args.subtitles else ""
+        spoken = sum(s.end_sample > s.start_sample for s in segments)
         total = f" of {len(request.parts)}" if request.parts else ""
         print(
             f"kazeia: interrupted: {where} holds the first {m.audio_s:.2f} s of audio "
@@ -72,13 +66,13 @@ def say(engine, args, sampling: dict) -> int:
         )
         return INTERRUPTED
     print(
-        f"{where}: {m.audio_s:.2f} s of audio ({m.frames} frames, {_count(len(stream.segments), 'segment')}) in "
+        f"{where}: {m.audio_s:.2f} s of audio ({m.frames} frames, {_count(len(segments), 'segment')}) in "
         f"{m.wall_s:.2f} s, TTFB {m.ttfb_s * 1000:.0f} ms, RTF {m.rtf:.2f}, seed {m.seed}",
         file=sys.stderr,
     )
     if args.subtitles:
-        print(f"{_subtitles(args, stream.segments)}: {len(stream.segments)} subtitles", file=sys.stderr)
-    _warn_guard(stream.segments)
+        print(f"{_subtitles(args, segments)}: {len(segments)} subtitles", file=sys.stderr)
+    _warn_guard(segments)
     return 0
 
 

@@ -1,60 +1,22 @@
 """Continuous batching: many streams generated together, each exactly as it would be alone.
 
-A `Scheduler` owns the frame steps of an engine's streams (`engine.scheduler(max_batch=...)`). Each
-stream keeps its own thread, frame generator, vocoder state and chunk queue (SpeechStream); only
-its steps go elsewhere: to the scheduler's thread, which at every frame boundary runs the waiting
-prefills (joining requests: each its prompt and its first frame; several side by side, below) and
-then one batched step (kazeia/batch.py) for every active stream whose next step is waiting. All
-waiting prompts go first: a joining stream has no audio yet, a running one has its buffer (with 4
-clients arriving together, first audio at p95 came ~25 % sooner than with one prompt a boundary, at
-the same throughput: BENCHMARKS.md). A prompt runs on the engine's prompt team (every core) while
-no stream's audio is being decoded and no other prompt runs, else on generation's threads. A stream
-waiting for live text, or for its consumer to take audio, simply has no step waiting: the others go
-on without it. A stream that arrives while a step runs does not wait for its end: the step pauses
-between its stages (after the talker, after each of the predictor's 15 steps: a few ms each) for
-the stream to build its prompt and run its prefill, then goes on (`_let_prompts_in`); its rows
-wait untouched, so no result changes. With 4 int8 clients on 2 cores that brought the median first
-audio from 0.36-0.39 to 0.27-0.29 s (bfloat16 vocoder; BENCHMARKS.md), at the same throughput.
-A stream that ends (EOS, its limits, cancellation) stops submitting; nothing else changes.
+A `Scheduler` owns the frame steps of a runtime's streams (`Engine.scheduler(max_batch=...)`); each
+stream keeps its own thread, frame loop, vocoder state and chunk queue. At every frame boundary the
+scheduler's thread runs the waiting prefills (joining streams: prompt and first frame; several side
+by side), then one frame step (kazeia/frame.py) for every admitted stream whose next step waits. A
+stream waiting for live text or for its consumer has no step waiting: the others go on without it.
+A stream arriving during a step builds its prompt and runs its prefill at the step's next pause
+(`_let_prompts_in`), the step's rows waiting untouched. Admission is first come, first served
+(kazeia/admission.py); a cancelled stream leaves the queue at once, or its pending step is dropped
+at the next frame boundary (generate.StepCancelled).
 
-Admission is first come, first served: at most `max_batch` streams are admitted at once, at most
-`max_queue` more wait (`stream` raises `SchedulerBusy` beyond that), and a stream waits for its
-turn in its own thread. A cancelled stream leaves the queue at once, or its pending step is
-dropped at the next frame boundary (generate.StepCancelled), so cancellation takes effect within a
-frame. Batch invariance (batch.py) makes every stream's codes and audio independent of which
-others share its steps, when they join and when they leave.
-
-The streams' vocoders take turns (`VocoderLanes`): on few cores, every stream decoding at once
-would take the CPU from the scheduler's thread, the one all of them wait for. At most `lanes`
-decodes run at once (by default as many as fit beside generation's threads: one where each stage
-has half the cores, as `Engine.load` sets by default); a stream's first chunk goes before any
-other (its listener hears nothing yet), then the chunk whose stream has the least audio ahead of
-its listener. Decodes pause: between its ~20 stages (`Vocoder.decode_chunk`'s `pause`) a chunk
-that is not a first one hands its lane to a first chunk that waits, so a joining stream does not
-wait for another's whole chunk (~0.24 s for 4 frames on one Zen 4 core). A prompt takes the cores
-no decode holds, product by product where the products are Kazeia's own (int8, int4). (Pausing
-the decodes for prompts as well gave first audio ~25 % sooner at the median but ~8 % less
-throughput: the vocoder is the slower stage at 4 streams on 2 cores.) The turns change when audio
-is made, never which: each stream's chunks and audio are those it would have alone.
-
-Generation is paced to the vocoders. A stream is stepped while its vocoder is short of frames
-(fewer made and not yet decoding than its next two chunks take: SpeechStream.needs_frames); while
-no waiting stream is, the steps wait (a prefill or a cancelled stream's step never does), and then
-all waiting streams step together. Unpaced, generation ran ahead of the slower vocoder and each
-stream left the batched steps long before its audio was out (with 4 clients on 2 cores, ~20 % of
-each request's time), so the steps were smaller and cost more a frame. While generation waits, its
-own cores decode as well: a spare lane (`VocoderLanes`'s `spare`) takes a chunk only then, and its
-decode (unless a first chunk's) stops at its next pause point while a step or a prompt runs, or
-moves to a lane that frees.
-
-Prompts that wait at the same frame boundary run side by side (`prompts_at_once`, by default as
-many as the prompt team holds stages' threads: two where each stage has half the cores), each on
-its share of the cores: a prompt's glue between products and its first frame run on one thread, so
-one prompt on two threads was only ~1.4x as fast as on one, and two side by side finished ~30 %
-sooner than one after the other.
-
-Non-goals: priorities between requests, and batching prompts (each prefill is its own, between
-steps).
+Generation is paced to the vocoders: a stream is stepped while its vocoder is short of frames
+(SpeechStream.needs_frames); while none is, the steps wait, so streams leave the batched steps
+together rather than long before their audio is out. The streams' vocoders take turns
+(kazeia/lanes.py), generation's own cores decoding too while it waits. How many decodes and prompts
+run at once, and on which threads, is kazeia/placement.py's; measured effects: docs/design.md.
+Batch invariance (frame.py) makes every stream's codes and audio independent of which others share
+its steps and of the turns. Non-goals: priorities between requests; batching prompts.
 """
 
 from __future__ import annotations
@@ -68,22 +30,22 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
-from . import cpu, generate
-from .batch import Batch
-from .generate import Decoding, StepCancelled
+from . import generate
+from .admission import Admission, SchedulerBusy, SchedulerClosed, Ticket
+from .frame import Decoding
+from .generate import StepCancelled
 from .lanes import VocoderLanes
-from .model import TTSModel
+from .options import StreamOptions, SynthesisOptions, resolve
 from .prompt import Prompt
-from .request import Request
+from .request import Request, build_request
+from .runtime import Runtime
 from .sampling import SamplingOptions
-
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .streaming import Segment, SpeechStream
+from .segment import Segment
+from .streaming import ChunkSchedule, SpeechStream
+from .utterance import open_stream, timeline
 
 log = logging.getLogger(__name__)
 GRACE_S = 0.005  # how long a step waits for a stream of the previous step that has not resubmitted yet
@@ -92,15 +54,6 @@ GRACE_S = 0.005  # how long a step waits for a stream of the previous step that 
 # just built its prompt may take longer than GRACE_S to submit it, and would wait a whole step
 PROMPT_GRACE_S = 0.02
 PACE_POLL_S = 0.005  # how often waiting steps look whether a stream's vocoder now needs frames
-RECENT = 1024  # queue waits kept for the statistics
-
-
-class SchedulerBusy(Exception):
-    """The scheduler's queue is full."""
-
-
-class SchedulerClosed(RuntimeError):
-    """The scheduler was closed; it takes no more streams and ends those it runs."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +65,7 @@ class SchedulerStats:
     batch_sizes: dict[int, int]  # streams in a step -> how many steps had that many
     active: int  # streams admitted now
     waiting: int  # streams queued now
-    queue_waits_s: tuple[float, ...]  # seconds from `stream` to admission, the RECENT latest streams
+    queue_waits_s: tuple[float, ...]  # seconds from `stream` to admission, the latest streams
 
     @property
     def mean_batch(self) -> float:
@@ -122,7 +75,7 @@ class SchedulerStats:
 class _Work:
     """One step a stream waits for: its prefill or its next frame."""
 
-    def __init__(self, owner: _Ticket, prefill: tuple | None = None, decode: tuple | None = None):
+    def __init__(self, owner: Ticket, prefill: tuple | None = None, decode: tuple | None = None):
         self.owner, self.prefill, self.decode = owner, prefill, decode
         self.done = threading.Event()
         self.result = None
@@ -133,40 +86,50 @@ class _Work:
         self.done.set()
 
 
-class _Ticket:
-    """A stream's place: queued, then admitted, then released."""
-
-    def __init__(self) -> None:
-        self.should_stop: Callable[[], bool] = lambda: False  # set when its stream starts
-        # whether its stream's vocoder is short of frames (SpeechStream.needs_frames), once it is made
-        self.needs_frames: Callable[[], bool] = lambda: True
-        self.queued_at = time.perf_counter()
-        self.admitted = False
-
-
 class _ScheduledSteps(generate.Steps):
     """generate.Steps that hand each step to the scheduler's thread and wait for it."""
 
-    def __init__(self, scheduler: Scheduler, ticket: _Ticket):
+    def __init__(self, scheduler: Scheduler, ticket: Ticket):
         self.scheduler, self.ticket = scheduler, ticket
 
-    def prefill(self, model: TTSModel, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
+    def prefill(self, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
         return self.scheduler._wait(_Work(self.ticket, prefill=(prompt, opts, generator)))
 
-    def decode(self, model: TTSModel, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
+    def decode(self, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
         return self.scheduler._wait(_Work(self.ticket, decode=(state, text)))
 
     def exclusive(self) -> AbstractContextManager:
         return self.scheduler._exclusive()
 
 
+class Scheduled:
+    """The frames of a stream generated in a scheduler's steps (a streaming.FrameSource): queued
+    when made (`Scheduler.source`), admitted when its frames are first asked for, its place given
+    back when they end."""
+
+    def __init__(self, scheduler: Scheduler, ticket: Ticket, request: Request, should_stop):
+        self.scheduler, self.ticket, self.request, self.should_stop = scheduler, ticket, request, should_stop
+        self.lanes = scheduler.lanes
+
+    def frames(self, stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
+        should_stop = self.should_stop
+        self.ticket.should_stop = stop if should_stop is None else (lambda: stop() or should_stop())
+        return self.scheduler._admitted(self.ticket, self.request)
+
+    def pace(self, needs_frames: Callable[[], bool]) -> None:
+        self.ticket.needs_frames = needs_frames
+
+    def release(self) -> None:
+        self.scheduler.admission.release(self.ticket)
+
+
 class Scheduler:
-    """Generates the streams of one engine together (module docstring). Use it in a `with` block or
-    call `close()`; `stream` takes `Engine.stream`'s arguments and returns its kind of stream."""
+    """Generates the streams of one runtime together (module docstring). Use it in a `with` block
+    or call `close()`; `stream` takes `Engine.stream`'s arguments and returns its kind of stream."""
 
     def __init__(
         self,
-        engine: Engine,
+        runtime: Runtime,
         max_batch: int = 4,
         max_queue: int = 16,
         on_step: Callable[[int], None] | None = None,
@@ -175,89 +138,75 @@ class Scheduler:
         prompts_at_once: int | None = None,
     ):
         """`on_step(size)`: called after each batched step with its number of streams (metrics).
-        `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); None: as many as fit
-        beside generation's threads (torch's thread count, which each decode also takes) on the
-        cores this process may use, at least one: one where each stage has half the cores.
-        `spare_lanes`: decodes that may run, besides, on generation's own cores while it has
-        nothing to run (0: none). `prompts_at_once`: how many prompts that wait at one frame
-        boundary run side by side (`_prefill_all`); None: as many as the engine's prompt team holds
-        stages' threads (two where each stage has half the cores), 1: one after the other."""
-        if vocoder_lanes is None:  # the cores that generation's threads leave, each decode taking as many
-            threads = torch.get_num_threads()
-            vocoder_lanes = max(1, (cpu.usable_cpus() - threads) // threads)
-        self.lanes = VocoderLanes(vocoder_lanes, spare_lanes)
-        batch = Batch(engine.model)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= batch.max_batch:
-            raise ValueError(f"max_batch must be an integer from 1 to {batch.max_batch}, got {max_batch!r}")
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
-        self.engine, self.batch = engine, batch
+        `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`; None: the placement's
+        default). `spare_lanes`: decodes that may run, besides, on generation's own cores while it
+        has nothing to run (0: none). `prompts_at_once`: how many prompts that wait at one frame
+        boundary run side by side (`_prefills_held`; None: the placement's default, 1: one after
+        the other)."""
+        placement, step = runtime.placement, runtime.step
+        self.admission = Admission(max_batch, max_queue, step.max_batch)
+        self.lanes = VocoderLanes(placement.vocoder_lanes(vocoder_lanes), spare_lanes)
+        self.runtime, self.step = runtime, step
         self.max_batch, self.max_queue, self.on_step = max_batch, max_queue, on_step
         self._lock = threading.Condition()
         self._model_lock = threading.Lock()  # held by whoever runs the model (generate.Steps.exclusive)
         self._urgent = 0  # streams waiting for the model, or holding it, for their own work (`_exclusive`)
-        self._queue: deque[_Ticket] = deque()  # waiting for admission, first come first
-        self._active = 0
         self._pending: list[_Work] = []
         self._closed = False
         self._steps = self._prefills = 0
         self._sizes: Counter[int] = Counter()
-        self._waits: deque[float] = deque(maxlen=RECENT)
-        if prompts_at_once is None:  # as many as the prompt team holds stages' threads
-            team = engine.prompt_team
-            prompts_at_once = 1 if team is None else max(1, team[0] // max(1, torch.get_num_threads()))
-        elif isinstance(prompts_at_once, bool) or not isinstance(prompts_at_once, int) or prompts_at_once < 1:
-            raise ValueError(f"prompts_at_once must be an integer >= 1 or None, got {prompts_at_once!r}")
-        self._side_by_side = prompts_at_once
+        self._side_by_side = placement.prompts_at_once(prompts_at_once)
         self._helpers = ThreadPoolExecutor(self._side_by_side - 1, "kazeia-prompt") if self._side_by_side > 1 else None
         self._prompting = 0  # prompts running now
-        self._together = 1  # prompts this frame boundary runs side by side (`_prefill_all`)
+        self._together = 1  # prompts this frame boundary runs side by side (`_prefills_held`)
         self._thread = threading.Thread(target=self._run, name="kazeia-scheduler", daemon=True)
         self._thread.start()
 
     # -- streams ------------------------------------------------------------------------------
-    def stream(self, text, **options) -> SpeechStream:
-        """`Engine.stream(text, **options)` with its steps run by this scheduler. Raises
+    def stream(
+        self,
+        text,
+        options: SynthesisOptions | None = None,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+        **overrides,
+    ) -> SpeechStream:
+        """`Engine.stream(text, options, **overrides)` with its steps run by this scheduler. Raises
         SchedulerBusy when `max_queue` streams are already waiting for admission. Streams that
         share the CPU often fall behind their generation: `max_chunk_frames` (e.g. 16) lets them
         catch up (streaming.ChunkSchedule)."""
-        return self.engine.stream(text, scheduler=self, **options)
+        started = time.perf_counter()
+        chosen = resolve(StreamOptions, options, overrides)
+        request = build_request(self.runtime.caps, text, chosen)
+        schedule = ChunkSchedule.of(chosen)
+        return open_stream(self.runtime, request, self.source(request, should_stop), schedule, started)
 
-    def source(
-        self, request: Request, should_stop: Callable[[], bool] | None = None
-    ) -> Callable[[Callable[[], bool]], Iterator[torch.Tensor | Segment]]:
-        """For SpeechStream: `make_frames(stop)` giving `Engine.timeline(request)` through this
-        scheduler. The stream is queued now (SchedulerBusy when the queue is full); its frames
-        wait for admission when they are first asked for. `should_stop`: as `Engine.stream`'s.
-        The returned callable's `release()` gives the place back when its stream could not be
-        made (its frames are then never asked for; a queued ticket would hold the queue's head)."""
-        ticket = self._enqueue()
+    def source(self, request: Request, should_stop: Callable[[], bool] | None = None) -> Scheduled:
+        """The frames of `request` through this scheduler, for a SpeechStream. The stream is queued
+        now (SchedulerBusy when the queue is full); its frames wait for admission when they are
+        first asked for. `should_stop`: as `Engine.stream`'s."""
+        return Scheduled(self, self.admission.enqueue(), request, should_stop)
 
-        def make_frames(stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
-            ticket.should_stop = stop if should_stop is None else (lambda: stop() or should_stop())
-            return self._admitted(ticket, request)
-
-        make_frames.release = lambda: self._release(ticket)  # type: ignore[attr-defined]
-        make_frames.pace = lambda needs_frames: setattr(ticket, "needs_frames", needs_frames)  # type: ignore[attr-defined]
-        return make_frames
-
-    def _admitted(self, ticket: _Ticket, request: Request) -> Iterator[torch.Tensor | Segment]:
+    def _admitted(self, ticket: Ticket, request: Request) -> Iterator[torch.Tensor | Segment]:
         try:
-            if not self._admit(ticket):
+            if not self.admission.admit(ticket):
                 return
-            yield from self.engine.timeline(request, ticket.should_stop, _ScheduledSteps(self, ticket))
+            yield from timeline(self.runtime, request, ticket.should_stop, _ScheduledSteps(self, ticket))
         finally:
-            self._release(ticket)
+            self.admission.release(ticket)
 
     @property
     def stats(self) -> SchedulerStats:
+        admission = self.admission
         with self._lock:
             return SchedulerStats(
-                self._steps, self._prefills, dict(self._sizes), self._active, len(self._queue), tuple(self._waits)
-            )
+                self._steps, self._prefills, dict(self._sizes), admission.active, admission.waiting,
+                tuple(admission.waits),
+            )  # fmt: skip
 
     def close(self) -> None:
         """Stop taking streams, fail the steps of those still running (SchedulerClosed), end the thread."""
+        self.admission.close()
         with self._lock:
             self._closed = True
             self._lock.notify_all()
@@ -271,42 +220,6 @@ class Scheduler:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- admission ----------------------------------------------------------------------------
-    def _enqueue(self) -> _Ticket:
-        with self._lock:
-            if self._closed:
-                raise SchedulerClosed("the scheduler is closed")
-            if self._active + len(self._queue) >= self.max_batch + self.max_queue:
-                raise SchedulerBusy(f"{len(self._queue)} streams are already waiting (max_queue={self.max_queue})")
-            ticket = _Ticket()
-            self._queue.append(ticket)
-            return ticket
-
-    def _admit(self, ticket: _Ticket) -> bool:
-        """Wait until `ticket` is first in the queue and a place is free; False if it was stopped
-        (or the scheduler closed) meanwhile."""
-        with self._lock:
-            while True:
-                if self._closed or ticket.should_stop():
-                    return False
-                if self._queue[0] is ticket and self._active < self.max_batch:
-                    self._queue.popleft()
-                    self._active += 1
-                    ticket.admitted = True
-                    self._waits.append(time.perf_counter() - ticket.queued_at)
-                    self._lock.notify_all()  # the next in line may be admitted too
-                    return True
-                self._lock.wait(0.05)  # polls the stop flag
-
-    def _release(self, ticket: _Ticket) -> None:
-        with self._lock:
-            if ticket.admitted:
-                self._active -= 1
-                ticket.admitted = False
-            elif ticket in self._queue:
-                self._queue.remove(ticket)
-            self._lock.notify_all()
 
     # -- steps --------------------------------------------------------------------------------
     def _wait(self, work: _Work):
@@ -336,7 +249,7 @@ class Scheduler:
                 self._lock.notify_all()
 
     def _run(self) -> None:
-        previous: set[_Ticket] = set()  # the streams that got a frame from the last step
+        previous: set[Ticket] = set()  # the streams that got a frame from the last step
         while True:
             with self._lock:
                 self._idle(lambda: bool(self._pending) or self._closed, poll=None)  # submissions notify
@@ -354,7 +267,8 @@ class Scheduler:
                 self._pending = []
                 self.lanes.generating(True)
             if prefills:
-                self._prefill_all(prefills)
+                with self._model_lock:
+                    self._prefills_held(prefills)
             previous = self._decode(decodes) if decodes else set()
 
     def _idle(self, until: Callable[[], bool], poll: float | None) -> None:
@@ -374,7 +288,7 @@ class Scheduler:
             return True
         return any(w.prefill is not None or w.owner.should_stop() or w.owner.needs_frames() for w in self._pending)
 
-    def _resubmitted(self, previous: set[_Ticket]) -> bool:
+    def _resubmitted(self, previous: set[Ticket]) -> bool:
         """Has every stream of the last step submitted its next one (or the scheduler closed)?"""
         return self._closed or not previous - {w.owner for w in self._pending}
 
@@ -387,13 +301,8 @@ class Scheduler:
     def _prefill_waiting(self) -> bool:
         return self._closed or any(w.prefill is not None for w in self._pending)
 
-    def _prefill_all(self, prefills: list[_Work]) -> None:
-        """The prompts waiting at this frame boundary (`_prefills_held`), holding the model."""
-        with self._model_lock:
-            self._prefills_held(prefills)
-
     def _let_prompts_in(self) -> None:
-        """A step's pause (Batch.decode_frames; this thread holds the model): a stream's own work
+        """A step's pause (FrameStep.decode; this thread holds the model): a stream's own work
         that waits for the model (its prompt being built: `_exclusive`) goes now, then the prompts
         waiting run, and the step goes on. A stream that joins during a step so starts within a
         stage of it (at most a few ms) rather than at its end; the step's rows wait untouched."""
@@ -417,8 +326,8 @@ class Scheduler:
     def _prefills_held(self, prefills: list[_Work]) -> None:
         """Prompts, the caller holding the model: one at a time on the prompt team, or, where
         several wait and the team holds several stages' threads, that many side by side (the
-        scheduler's thread and its helpers each taking the next), each on a share of the team (see
-        `_prompt_threads`). A prompt's threads never change its results, so neither does this."""
+        scheduler's thread and its helpers each taking the next), each on a share of the team
+        (placement.scheduled_prompt_team). A prompt's threads never change its results."""
         width = self._together = min(len(prefills), self._side_by_side)
         waiting = deque(prefills)
 
@@ -445,35 +354,16 @@ class Scheduler:
             self._prompting += 1
         try:
             prompt, opts, generator = work.prefill  # type: ignore[misc]
-            # every core while no decode holds one and no other prompt runs: checked at each of
-            # Kazeia's own products (int8, int4), else once, at its start
-            threads, openmp = self._prompt_threads(self.engine.prompt_team)
-            made = generate.prefill(self.engine.model, prompt, opts, generator, threads, openmp)
-            work.finish(made)
+            prompting = lambda: self._prompting  # noqa: E731
+            team = self.runtime.placement.scheduled_prompt_team(self.lanes.decoding, self._together, prompting)
+            work.finish(self.step.prefill(prompt, opts, generator, team))
         except BaseException as error:  # the stream's thread raises it
             work.finish(error=error)
         with self._lock:
             self._prompting -= 1
             self._prefills += 1
 
-    def _prompt_threads(self, team: tuple[int, bool] | None) -> tuple[int | Callable[[], int] | None, bool]:
-        """generate.prefill's (prompt_threads, openmp) for a prompt now (`_prefill`): the team
-        while no decode holds a lane and no other prompt runs; otherwise generation's own threads,
-        shared by the prompts running side by side."""
-        if team is None:
-            return None, True
-        threads, openmp = team
-        if openmp:  # decided once: shared if other prompts run beside it, at any time
-            return (None, True) if self.lanes.decoding() or self._together > 1 else team
-        alone = cpu.native_threads()
-
-        def now() -> int:
-            running = max(1, self._prompting)
-            return max(1, (alone if self.lanes.decoding() else threads) // running)
-
-        return now, False
-
-    def _decode(self, decodes: list[_Work]) -> set[_Ticket]:
+    def _decode(self, decodes: list[_Work]) -> set[Ticket]:
         """One batched step for the waiting streams; the set of those that got a frame."""
         going = []
         for work in decodes:
@@ -486,7 +376,7 @@ class Scheduler:
         try:
             with self._model_lock:
                 states, texts = [w.decode[0] for w in going], [w.decode[1] for w in going]  # type: ignore[index]
-                results = self.batch.decode_frames(states, texts, self._let_prompts_in)
+                results = self.step.decode(states, texts, self._let_prompts_in)
         except BaseException as error:
             for work in going:
                 work.finish(error=error)
@@ -502,3 +392,6 @@ class Scheduler:
         for work, codes in zip(going, results, strict=True):
             work.finish(codes)
         return {w.owner for w, codes in zip(going, results, strict=True) if codes is not None}
+
+
+__all__ = ["Scheduler", "SchedulerBusy", "SchedulerClosed", "SchedulerStats"]

@@ -1,11 +1,13 @@
-"""Long text: split it into segments the talker speaks one after the other as one utterance.
+"""Long text as segments: how a text is cut, what each segment speaks with, and where its audio lies.
 
-Scope: `LongTextOptions` (how a text is segmented and guarded) and `split_text`, which cuts a text
-into pieces of at most a token budget each: whole paragraphs (a blank line always ends a segment)
-packed from whole sentences, a sentence too long split at clauses (commas, semicolons, colons,
-dashes), a clause too long at spaces between words, and a word too long (a run of Chinese or
-Japanese without punctuation) between characters. The pieces concatenate back to the text: each
-piece keeps the whitespace that follows it.
+Scope: `LongTextOptions` (how a text is segmented and guarded); `split_text`, which cuts a text into
+pieces of at most a token budget each: whole paragraphs (a blank line always ends a segment) packed
+from whole sentences, a sentence too long split at clauses (commas, semicolons, colons, dashes), a
+clause too long at spaces between words, and a word too long (a run of Chinese or Japanese without
+punctuation) between characters; `plan`, the `Part`s a request speaks one after the other (each
+piece's tokens, seed and frame budget); and `Segment`, where a spoken part's audio lies in the
+utterance and why it ended. The pieces concatenate back to the text: each keeps the whitespace that
+follows it.
 
 Sentence ends: `.`, `!`, `?`, `…` and runs of them (an ellipsis), with closing quotes or brackets,
 followed by whitespace; `。！？` (and their fullwidth relatives) with or without whitespace; and line
@@ -14,17 +16,21 @@ single letter (initials), inside a number ("3.14" has no space), or when the nex
 a lowercase letter or a digit ("Wait... what?" is one sentence; "etc. and" too).
 
 Non-goals: the model's prompt (prompt.py), tokenization (text.py: `split_text` only counts tokens
-through the function it is given), and the frame budgets of the runaway guard (runaway.py).
+through the function it is given), generating a part's frames (kazeia/utterance.py) and the runaway
+guard's rules (runaway.py).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .described import Described, option
 from .errors import RequestError
-from .sampling import Described, _option
+from .sampling import MAX_SEED
+from .speed import output_length
+from .text import CLOSING_IDS, ROLE_IDS, TextTokenizer
 
 # Words that end with a full stop without ending a sentence (compared in lowercase, without the stop).
 ABBREVIATIONS = frozenset(
@@ -60,13 +66,13 @@ _WORD_END = re.compile(r"\s+")
 class LongTextOptions(Described):
     """How a whole text is split into segments and how each segment's generation is guarded."""
 
-    segment: bool = _option(True, "split a text longer than segment_tokens (False: one generation)")
-    segment_tokens: int = _option(96, "text tokens per segment at most (~25-30 s of English speech)")
-    guard: bool = _option(True, "stop a segment at its frame budget or when it loops (off with ignore_eos)")
-    floor_frames: int = _option(64, "frame budget of a segment: floor_frames + frames_per_token per text token")
-    frames_per_token: int = _option(8, "frames (80 ms each) a segment may take per text token, over the floor")
-    loop_frames: int = _option(48, "a segment whose last loop_frames codebook-0 tokens repeat a short pattern stops")
-    carry_context: bool = _option(False, "Base checkpoints: each segment continues the previous one's text and frames")
+    segment: bool = option(True, "split a text longer than segment_tokens (False: one generation)")
+    segment_tokens: int = option(96, "text tokens per segment at most (~25-30 s of English speech)")
+    guard: bool = option(True, "stop a segment at its frame budget or when it loops (off with ignore_eos)")
+    floor_frames: int = option(64, "frame budget of a segment: floor_frames + frames_per_token per text token")
+    frames_per_token: int = option(8, "frames (80 ms each) a segment may take per text token, over the floor")
+    loop_frames: int = option(48, "a segment whose last loop_frames codebook-0 tokens repeat a short pattern stops")
+    carry_context: bool = option(False, "Base checkpoints: each segment continues the previous one's text and frames")
 
     def __post_init__(self) -> None:
         for name in ("segment", "guard", "carry_context"):
@@ -80,6 +86,83 @@ class LongTextOptions(Described):
     def frame_budget(self, text_tokens: int) -> int:
         """Frames a segment of `text_tokens` text tokens may take before the guard stops it."""
         return self.floor_frames + self.frames_per_token * text_tokens
+
+
+TEMPLATE_IDS = ROLE_IDS + CLOSING_IDS  # the assistant template's ids around a text's tokens
+SEED_STEP = 0x9E3779B97F4A7C15  # segment k speaks with seed + k * SEED_STEP (mod MAX_SEED): distinct, reproducible
+
+
+@dataclass(frozen=True)
+class Part:
+    """One segment of a whole text, as the talker speaks it."""
+
+    text: str  # the segment's text (the whole text, as given, when it is one segment)
+    text_ids: tuple[int, ...]  # its assistant template's ids
+    seed: int  # its own seed, derived from the request's (segment 0: the request's seed itself)
+    budget: int | None  # the runaway guard's frame budget (None: only max_new_tokens bounds it)
+
+    @property
+    def text_tokens(self) -> int:
+        return len(self.text_ids) - TEMPLATE_IDS
+
+
+def plan(
+    text: str,
+    text_ids: tuple[int, ...],
+    tokenizer: TextTokenizer,
+    long_text: LongTextOptions,
+    seed: int,
+    max_new_tokens: int,
+    guarded: bool,
+) -> tuple[Part, ...]:
+    """The parts of `text` (its assistant template's ids `text_ids`): one for a text within the
+    budget or with segmentation off, else its `split_text` pieces (counted in text tokens), each
+    with its template's ids, its seed and, when `guarded`, its frame budget (None where
+    max_new_tokens comes first)."""
+    texts = [text]
+    if long_text.segment and len(text_ids) - TEMPLATE_IDS > long_text.segment_tokens:
+        count = lambda piece: len(tokenizer.text_ids(piece))  # noqa: E731
+        texts = [piece.strip() for piece in split_text(text, long_text.segment_tokens, count)]
+    parts = []
+    for k, piece in enumerate(texts):
+        ids = tuple(text_ids) if len(texts) == 1 else tuple(tokenizer.assistant_ids(piece))
+        budget = long_text.frame_budget(len(ids) - TEMPLATE_IDS) if guarded else None
+        if budget is not None and budget >= max_new_tokens - 1:
+            budget = None  # max_new_tokens comes first
+        parts.append(Part(piece, ids, (seed + k * SEED_STEP) % MAX_SEED, budget))
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment of an utterance (a whole short text is one) and where its audio lies."""
+
+    index: int  # 0, 1, ... in speaking order
+    text: str  # what it says
+    start_sample: int  # its first sample in the utterance's audio (24 kHz)
+    end_sample: int  # one past its last sample
+    finish_reason: str  # why its generation ended: "eos", "length", "guard" or "cancelled" (runaway.py)
+    sample_rate: int  # Hz (24000)
+
+    @property
+    def start_s(self) -> float:
+        return self.start_sample / self.sample_rate
+
+    @property
+    def end_s(self) -> float:
+        return self.end_sample / self.sample_rate
+
+    def at_speed(self, speed: float) -> Segment:
+        """Its samples in output time at `speed`: the stretch's length rule (speed.py) applied to its
+        ends (exact for the utterance's end; within the stretch's window, ~25 ms, at joins)."""
+        if speed == 1.0:
+            return self
+        start, end = (output_length(n, speed) for n in (self.start_sample, self.end_sample))
+        return replace(self, start_sample=start, end_sample=end)
+
+    def shifted(self, samples: int) -> Segment:
+        """Its samples `samples` later (an ICL voice's lead before the generated audio)."""
+        return replace(self, start_sample=self.start_sample + samples, end_sample=self.end_sample + samples)
 
 
 def split_text(text: str, budget: int, count: Callable[[str], int]) -> list[str]:

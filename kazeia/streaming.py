@@ -20,52 +20,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from .lanes import LaneStopped
+from .lanes import LaneStopped, VocoderLanes
+from .options import StreamOptions
 from .runaway import CANCELLED, overall
-from .speed import TimeStretch, output_length
+from .segment import Segment
+from .speed import TimeStretch
 from .vocoder import Vocoder, VocoderState, no_pause
-
-if TYPE_CHECKING:
-    from .lanes import VocoderLanes
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
 PACE_CHUNKS = 2  # a scheduled stream is stepped while fewer than this many of its chunks are ready
 _DONE = object()
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One segment of an utterance (a whole short text is one) and where its audio lies."""
-
-    index: int  # 0, 1, ... in speaking order
-    text: str  # what it says
-    start_sample: int  # its first sample in the utterance's audio (24 kHz)
-    end_sample: int  # one past its last sample
-    finish_reason: str  # why its generation ended: "eos", "length", "guard" or "cancelled" (runaway.py)
-    sample_rate: int  # Hz (24000)
-
-    @property
-    def start_s(self) -> float:
-        return self.start_sample / self.sample_rate
-
-    @property
-    def end_s(self) -> float:
-        return self.end_sample / self.sample_rate
-
-
-def at_speed(segment: Segment, speed: float) -> Segment:
-    """A segment's samples in output time at `speed`: the stretch's length rule (speed.py) applied
-    to its ends (exact for the utterance's end; within the stretch's window, ~25 ms, at joins)."""
-    if speed == 1.0:
-        return segment
-    start, end = (output_length(n, speed) for n in (segment.start_sample, segment.end_sample))
-    return replace(segment, start_sample=start, end_sample=end)
 
 
 @dataclass(frozen=True)
@@ -110,9 +80,9 @@ class ChunkSchedule:
 
     `most` lets a later chunk catch up: when its consumer has fallen behind and more frames than
     its size are already waiting, the chunk takes them too, up to `most` (None, the default:
-    exactly its size). The vocoder decodes a longer chunk faster per frame (BENCHMARKS.md: 4 frames
-    39.5 ms a frame, 16 frames 31.4), so a consumer that the vocoder holds back (many streams on few
-    cores) catches up, while one that keeps up still gets the sizes above. The codes never change,
+    exactly its size). The vocoder decodes a longer chunk faster per frame (BENCHMARKS.md), so a
+    consumer that the vocoder holds back (many streams on few cores) catches up, while one that
+    keeps up still gets the sizes above. The codes never change,
     and the audio stays that of one decode within float rounding (~1e-6), as for any schedule; but
     where the chunks split now depends on timing, so the audio's last bits may differ from run to
     run (with a fixed schedule they never do)."""
@@ -128,6 +98,11 @@ class ChunkSchedule:
         most = self.most
         if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.rest):
             raise ValueError(f"max_chunk_frames must be an integer >= chunk_frames ({self.rest}) or None, got {most!r}")
+
+    @classmethod
+    def of(cls, options: StreamOptions) -> ChunkSchedule:
+        """The schedule `options` ask for."""
+        return cls(options.first_chunk_frames, options.chunk_frames, options.max_chunk_frames)
 
     def size(self, index: int) -> int:
         """Frames in chunk `index` (0 the first)."""
@@ -146,6 +121,28 @@ class _Progress:
     frames = 0  # frames generated so far
     first_frame_at: float | None = None  # perf_counter() of the first frame
     ended_at: float | None = None  # perf_counter() when the last item was generated
+
+
+class FrameSource(Protocol):
+    """Where a stream's frames come from: generated alone (kazeia/utterance.py) or in a scheduler's
+    batched steps (kazeia/scheduler.py)."""
+
+    @property
+    def lanes(self) -> VocoderLanes | None:
+        """The turns the stream's vocoder takes (None: it decodes at once)."""
+        ...
+
+    def frames(self, stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
+        """The frames, each segment's last followed by its Segment; `stop()` ends them early."""
+        ...
+
+    def pace(self, needs_frames: Callable[[], bool]) -> None:
+        """Generation may wait while `needs_frames()` is False (the stream's vocoder has enough)."""
+        ...
+
+    def release(self) -> None:
+        """The stream could not start: give back what was taken for it (its frames are never asked for)."""
+        ...
 
 
 def _generate(make_frames, frames_out: queue.Queue, stop: threading.Event, progress: _Progress) -> None:
@@ -185,7 +182,7 @@ class SpeechStream:
 
     def __init__(
         self,
-        make_frames: Callable[[Callable[[], bool]], Iterator[torch.Tensor | Segment]],
+        source: FrameSource,
         vocoder: Vocoder,
         schedule: ChunkSchedule,
         seed: int,
@@ -194,14 +191,12 @@ class SpeechStream:
         live=None,
         speed: float = 1.0,
         on_close: Callable[[], None] | None = None,
-        lanes: VocoderLanes | None = None,
     ):
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
         `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
         `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`.
         `on_close`: called once, when the stream is closed (at its end, by `close`, or collected);
-        not when this constructor fails (its caller undoes what it did for the stream then).
-        `lanes`: the scheduler's, when its streams' vocoders take turns (kazeia/scheduler.py)."""
+        not when this constructor fails (its caller undoes what it did for the stream then)."""
         self._live = live
         self._speed = speed
         self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
@@ -222,10 +217,11 @@ class SpeechStream:
         self._chunks = self._samples = 0
         self._ttfb: float | None = None
         self._done = False
-        args = (make_frames, self._queue, self._stop, self._progress)
+        self._lanes = source.lanes
+        source.pace(self.needs_frames)
+        args = (source.frames, self._queue, self._stop, self._progress)
         self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
-        self._lanes = lanes
         self._on_close = on_close  # last: a stream that failed to start is never closed
 
     @property
@@ -240,6 +236,12 @@ class SpeechStream:
     def frames_generated(self) -> int:
         """Frames the worker has produced so far (it may run ahead of the chunks yielded)."""
         return self._progress.frames
+
+    @property
+    def generated_s(self) -> float:
+        """Seconds of audio (at the stream's speed) the frames generated so far make."""
+        cfg = self._vocoder.cfg
+        return self._progress.frames * cfg.samples_per_frame / cfg.sample_rate / self._speed
 
     def needs_frames(self) -> bool:
         """Is the vocoder short of frames: fewer made and not yet decoding than its next two
@@ -320,7 +322,7 @@ class SpeechStream:
                 samples = np.concatenate([samples, self._stretch.flush()])
         # At a speed other than 1 the stretch holds back the last ~35-140 ms: a segment is listed
         # with the chunk that completes its audio (the last one lists any left).
-        held = [at_speed(segment, self._speed) for segment in self._ended]
+        held = [segment.at_speed(self._speed) for segment in self._ended]
         out = self._samples + len(samples)
         complete = [is_last or segment.end_sample <= out for segment in held]
         ended = tuple(segment for segment, done in zip(held, complete, strict=True) if done)

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .streaming import Segment
+from .segment import Segment
 
 FORMATS = (".srt", ".vtt")
 

@@ -20,6 +20,9 @@ from tokenizers.models import BPE
 
 from .config import CheckpointError, read_json
 
+ROLE_IDS = 3  # <|im_start|> assistant \n: the ids before a target text in its template
+CLOSING_IDS = 5  # <|im_end|> \n <|im_start|> assistant \n: the ids after it
+
 # The split regex of Qwen2TokenizerFast: English contractions, letter runs with one optional
 # leading non-letter, single digits, punctuation runs, then whitespace.
 QWEN2_SPLIT_REGEX = (
@@ -76,6 +79,8 @@ class TextTokenizer:
         self._assistant_prefix = assistant  # [151644, 77091, 198]
         self._turn_end = (im_end, *newline)  # [151645, 198]
         self._assistant_suffix = self._turn_end + assistant  # [151645, 198, 151644, 77091, 198]
+        if (len(self._assistant_prefix), len(self._assistant_suffix)) != (ROLE_IDS, CLOSING_IDS):
+            raise CheckpointError("the tokenizer does not encode the chat template's role and turn ids as Qwen's does")
 
     @classmethod
     def from_dir(cls, path: str | Path, *, regex: str = "qwen2") -> TextTokenizer:

@@ -27,18 +27,8 @@ from . import native
 from .checkpoint import assign, load_tensors
 from .config import VocoderConfig
 from .conv import CausalConv, SnakeBeta, TimeMajorConv, TimeMajorTransConv, TransConv, packs_best
-from .layers import (
-    Attention,
-    LayerScale,
-    RMSNorm,
-    Rotary,
-    SwiGLU,
-    can_pack,
-    causal_mask,
-    codebook_vectors,
-    fuse_projections,
-    pack_linears,
-)
+from .layers import Attention, LayerScale, RMSNorm, Rotary, SwiGLU, causal_mask, codebook_vectors, fuse_projections
+from .matmul import can_pack, pack_linears
 
 SEMANTIC_QUANTIZERS = 1  # codebook 0 has its own output projection (rvq_first); the others share one
 CONVNEXT_NORM_EPS = 1e-6
@@ -49,7 +39,7 @@ OFFLINE_BLOCK = 32
 
 
 def no_pause() -> None:
-    """The default `pause` of Vocoder.decode_chunk and Batch.decode_frames: go on at once."""
+    """The default `pause` of Vocoder.decode_chunk and FrameStep.decode: go on at once."""
 
 
 class WindowCache:
@@ -117,8 +107,9 @@ class Quantizer(nn.Module):
         return first + self.rvq_rest(codes[..., SEMANTIC_QUANTIZERS:])
 
 
-class Block(nn.Module):
-    """Pre-norm transformer layer with per-channel layer scales on both residual branches."""
+class WindowBlock(nn.Module):
+    """Pre-norm transformer layer over a sliding window of frames, with per-channel layer scales on both
+    residual branches."""
 
     def __init__(self, cfg: VocoderConfig):
         super().__init__()
@@ -143,7 +134,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.window = cfg.sliding_window
         self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(WindowBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
@@ -296,9 +287,8 @@ class Vocoder(nn.Module):
         self, codes: torch.Tensor, state: VocoderState, pause: Callable[[], None] = no_pause
     ) -> torch.Tensor:
         """The next n frames of a stream: codes (B, n, 16) or (n, 16) -> audio (B, n*1920) or (n*1920,).
-        `pause()` is called between the decoder's ~20 stages (each at most ~17 ms of a 4-frame chunk
-        on one Zen 4 core): a scheduler's lanes may hand the core to more urgent work there
-        (kazeia/scheduler.py); whatever it does, the chunk's audio is the same."""
+        `pause()` is called between the decoder's ~20 stages: a scheduler's lanes may hand the core to
+        more urgent work there (kazeia/lanes.py); whatever it does, the chunk's audio is the same."""
         codes, batched = self._check(codes)
         if codes.shape[0] != state.batch:
             raise ValueError(f"codes have batch {codes.shape[0]}, but the state was made for batch {state.batch}")

@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import torch
 
 from .config import ModelConfig, SpeakerEncoderConfig
 from .encoder import Encoder
+from .lru import LRU
 from .speaker import SpeakerEncoder
 from .vocoder import Vocoder, VocoderState, WindowCache
 
@@ -196,9 +195,8 @@ class Priming:
     so a voice's reference frames are decoded once, not per call."""
 
     def __init__(self, vocoder: Vocoder, capacity: int = 8):
-        self.vocoder, self.capacity = vocoder, capacity
-        self._entries: OrderedDict[bytes, Primed] = OrderedDict()
-        self._lock = threading.Lock()
+        self.vocoder = vocoder
+        self._primed: LRU[bytes, Primed] = LRU(capacity)  # by the reference codes' hash and shape
 
     def state(self, ref: torch.Tensor) -> VocoderState:
         """A fresh copy of the state after an ICL voice's reference codes `ref` (frames, 16), to
@@ -229,18 +227,12 @@ class Priming:
     def _get(self, ref_codes: torch.Tensor) -> Primed:
         codes = ref_codes.to(self.vocoder.pre_conv.conv.weight.device)
         key = hashlib.sha256(codes.cpu().numpy().tobytes()).digest() + bytes(str(tuple(codes.shape)), "ascii")
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return self._entries[key]
-        state = self.vocoder.new_state()
-        audio = self.vocoder.decode_blocks(codes[None], state)[0]
-        tail = _numpy(audio[-self.vocoder.cfg.samples_per_frame :])
-        primed = Primed(state, tail)
-        with self._lock:
-            self._entries[key] = primed
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+        primed = self._primed.get(key)
+        if primed is None:
+            state = self.vocoder.new_state()
+            audio = self.vocoder.decode_blocks(codes[None], state)[0]
+            primed = Primed(state, _numpy(audio[-self.vocoder.cfg.samples_per_frame :]))
+            self._primed.put(key, primed)
         return primed
 
 

@@ -1,4 +1,4 @@
-"""Batched frame steps and the scheduler (kazeia/batch.py, kazeia/scheduler.py): every request's
+"""Batched frame steps and the scheduler (kazeia/frame.py, kazeia/scheduler.py): every request's
 codes and audio equal its solo run bit for bit, whatever joins, leaves or pauses beside it."""
 
 import asyncio
@@ -13,13 +13,16 @@ from conftest import INT8, requires_int8
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kazeia import Engine, generate
-from kazeia.batch import Batch, row_product
+from kazeia import Engine, cpu, native
+from kazeia.admission import Ticket
+from kazeia.frame import FrameStep
 from kazeia.layers import KVCache
 from kazeia.live import TextFeed
+from kazeia.products import row_product
 from kazeia.prompt import build_prompt
 from kazeia.scheduler import SchedulerBusy
 from kazeia.segment import LongTextOptions
+from kazeia.vocoder import no_pause
 
 TEXTS = (
     "Hello there, how are you today?",
@@ -47,7 +50,6 @@ def typed(tiny_checkpoints):
 def test_the_gemv_gives_each_of_many_rows_its_one_row_result(dtype):
     """gemv.c's rows in pairs: rows 0..m-1 of one call equal m calls of one row each, bit for bit
     (odd counts, and widths that leave a remainder after the vector loops)."""
-    from kazeia import native
     from kazeia.native.linear import NativeLinear
 
     lib = native.library()
@@ -57,7 +59,7 @@ def test_the_gemv_gives_each_of_many_rows_its_one_row_result(dtype):
     linear = NativeLinear(torch.nn.Linear(200, 37).to(dtype), lib)
     product = row_product(linear)
     x = torch.randn(7, 200, generator=g).to(dtype)
-    together = product(x, 7)
+    together = product(x)
     for i in range(7):
         assert torch.equal(together[i : i + 1], linear(x[i : i + 1]))
 
@@ -67,7 +69,6 @@ def test_int8_rows_depend_on_their_own_request_only_and_stay_accurate():
     """int8.c's rows, each on its own grid: a request's rows give the same result whatever rows
     share the call (here requests of very different ranges), and the error stays at the weights'
     rounding."""
-    from kazeia import native
     from kazeia.quant import QuantLinear
 
     g = torch.Generator().manual_seed(4)
@@ -75,9 +76,9 @@ def test_int8_rows_depend_on_their_own_request_only_and_stay_accurate():
     product = row_product(QuantLinear.from_float(weight, bias, native.library()))
     x = torch.randn(4, 2, 256, generator=g) * torch.tensor([1e-3, 1.0, 40.0, 3e4])[:, None, None]
     with torch.inference_mode():
-        together = product(x.reshape(8, 256), 4).view(4, 2, 96)
+        together = product(x.reshape(8, 256)).view(4, 2, 96)
         for b in range(4):
-            assert torch.equal(together[b], product(x[b], 1))
+            assert torch.equal(together[b], product(x[b]))
         scales = weight.abs().amax(dim=1, keepdim=True) / 127
         exact = x @ (torch.round(weight / scales) * scales).T + bias
         for b in range(4):
@@ -91,8 +92,8 @@ def _prefilled(engine: Engine, i: int, seed: int, frames: int):
     part = request.parts[0]
     prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
     generator = torch.Generator().manual_seed(part.seed)
-    state, codes = generate.prefill(engine.model, prompt, request.options, generator)
-    return state, prompt, [codes]
+    state, codes = engine.runtime.step.prefill(prompt, request.options, generator)
+    return state, prompt, [codes], request
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", INT8, "int4"])
@@ -100,23 +101,21 @@ def _prefilled(engine: Engine, i: int, seed: int, frames: int):
 @torch.inference_mode()
 def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
     """Four requests of different lengths stepped together, each leaving at its own end: their
-    codes equal one batched step at a time of each alone, and the solo frame loop's
-    (generate.decode_frame) too, at every precision."""
+    codes equal one step at a time of each alone (B = 1), and the engine's own frame loop's, at
+    every precision."""
     engine = typed(dtype, name)
-    batch = Batch(engine.model)
-    # The native products read weights once for all rows; the tiny 1.7B's int4 model keeps a float
-    # product whose width int4 does not take (an F.linear): its requests step one by one instead.
-    assert batch.rows_shared == (name != "1.7B-custom" or dtype != "int4")
+    step = engine.runtime.step
+    lib = native.library()
+    if lib is not None and lib.gemv_vector_bits() and cpu.uses("avx2"):
+        # The native products read weights once for all rows; the tiny 1.7B's int4 model keeps a
+        # float product whose width int4 does not take (an F.linear): its requests step one by one.
+        assert step.rows_shared == (name != "1.7B-custom" or dtype != "int4")
     frames = [9, 14, 20, 27]
 
-    def alone(i: int, batched: bool) -> torch.Tensor:
-        state, prompt, made = _prefilled(engine, i, i + 5, frames[i])
+    def alone(i: int) -> torch.Tensor:
+        state, prompt, made, _ = _prefilled(engine, i, i + 5, frames[i])
         while made[-1] is not None:
-            text = prompt.text_at(state.frames - 1)
-            step = (
-                batch.decode_frames([state], [text])[0] if batched else generate.decode_frame(engine.model, state, text)
-            )
-            made.append(step)
+            made.append(step.decode([state], [prompt.text_at(state.frames - 1)])[0])
         return torch.cat(made[:-1])
 
     items = [_prefilled(engine, i, i + 5, frames[i]) for i in range(4)]
@@ -124,13 +123,13 @@ def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
     while live:
         states = [items[i][0] for i in live]
         texts = [items[i][1].text_at(items[i][0].frames - 1) for i in live]
-        for i, codes in zip(live, batch.decode_frames(states, texts), strict=True):
+        for i, codes in zip(live, step.decode(states, texts), strict=True):
             items[i][2].append(codes)
         live = [i for i in live if items[i][2][-1] is not None]
     for i in range(4):
         together = torch.cat(items[i][2][:-1])
-        assert torch.equal(together, alone(i, batched=True))
-        assert torch.equal(together, alone(i, batched=False))
+        assert torch.equal(together, alone(i))
+        assert torch.equal(together, torch.stack(list(engine.frames(items[i][3]))))
 
 
 def _speak(stream, cancel_after: int | None = None):
@@ -307,7 +306,7 @@ def test_a_queued_stream_that_is_closed_leaves_the_queue(typed):
         waiting = scheduler.stream(TEXTS[1], voice="serena", seed=2)
         next(iter(first))
         waiting.close()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 120
         while scheduler.stats.waiting and time.monotonic() < deadline:
             time.sleep(0.01)
         assert scheduler.stats.waiting == 0
@@ -465,34 +464,33 @@ def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed,
     prompt team, as a lone `Engine.stream`'s first prompt does; while a decode holds a lane, on
     generation's own threads. With Kazeia's own products (int8) the team is asked at each product,
     so a prompt takes the second core as soon as the decode ends."""
-    from kazeia import scheduler as scheduling
-
     engine = typed(dtype)
-    if engine.prompt_team is None:
+    team = engine.runtime.placement.prompt_team
+    if team is None:
         pytest.skip("one core per stage is all this machine has: no prompt team")
-    seen, teams, prefill = [], [], generate.prefill
+    seen, teams, prefill, second = [], [], FrameStep.prefill, threading.Event()
 
-    def prefilled(*args):
-        threads, openmp = args[4:]
-        teams.append(threads)
-        seen.append((threads() if callable(threads) else threads, openmp))
-        return prefill(*args)
+    def prefilled(self, prompt, opts, generator, given=None):
+        teams.append(given)
+        threads = None if given is None else given.threads
+        seen.append((threads() if callable(threads) else threads, True if given is None else given.openmp))
+        if len(seen) == 2:
+            second.set()
+        return prefill(self, prompt, opts, generator, given)
 
-    monkeypatch.setattr(scheduling.generate, "prefill", prefilled)
+    monkeypatch.setattr(FrameStep, "prefill", prefilled)
     with engine.scheduler(max_batch=2) as scheduler:
         assert not scheduler.lanes.decoding()
         _speak(scheduler.stream(TEXTS[0], voice="ryan", seed=1, max_new_tokens=3))
         with scheduler.lanes.turn(False, 0.0, lambda: False):  # a decode holds the only lane
             assert scheduler.lanes.decoding()
             stream = scheduler.stream(TEXTS[1], voice="ryan", seed=2, max_new_tokens=3)  # its thread starts
-            deadline = time.monotonic() + 10
-            while len(seen) < 2 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert second.wait(120)  # its prefill has asked for its team while the lane is held
         _speak(stream)
-    if engine.prompt_team[1]:  # torch's threads: decided at the start
-        assert seen == [engine.prompt_team, (None, True)]
+    if team.openmp:  # torch's threads: decided at the start
+        assert seen == [tuple(team), (None, True)]
     else:
-        assert seen == [engine.prompt_team, (1, False)] and teams[1]() == engine.prompt_team[0]
+        assert seen == [tuple(team), (1, False)] and teams[1].threads() == team.threads
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("int8", marks=requires_int8)])
@@ -507,7 +505,9 @@ def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypa
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="prompts_at_once"):
             engine.scheduler(prompts_at_once=bad)
-    if engine.prompt_team is None or engine.prompt_team[0] < 2 * torch.get_num_threads():
+    placement = engine.runtime.placement
+    team = placement.prompt_team
+    if team is None or team.threads < 2 * placement.stage_threads:
         pytest.skip("no prompt team of two stages' threads here: prompts run one at a time")
     jobs, alone = [], []
     with torch.inference_mode():
@@ -517,22 +517,23 @@ def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypa
             prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
             jobs.append((prompt, request.options, torch.Generator().manual_seed(part.seed)))
             generator = torch.Generator().manual_seed(part.seed)
-            alone.append(generate.prefill(engine.model, prompt, request.options, generator))
-    both, seen, prefill = threading.Barrier(2, timeout=30), [], generate.prefill
+            alone.append(engine.runtime.step.prefill(prompt, request.options, generator))
+    both, seen, prefill = threading.Barrier(2, timeout=120), [], FrameStep.prefill
 
-    def prefilled(*args):
+    def prefilled(self, prompt, opts, generator, given=None):
         both.wait()  # each waits for the other: one after the other, the barrier breaks
-        threads, openmp = args[4:]
+        threads, openmp = (None, True) if given is None else given
         seen.append((threading.current_thread().name, threads() if callable(threads) else threads, openmp))
-        return prefill(*args)
+        return prefill(self, prompt, opts, generator, given)
 
-    monkeypatch.setattr(scheduling.generate, "prefill", prefilled)
+    monkeypatch.setattr(FrameStep, "prefill", prefilled)
     with engine.scheduler(max_batch=2) as scheduler:
-        works = [scheduling._Work(scheduling._Ticket(), prefill=job) for job in jobs]
-        scheduler._prefill_all(works)
+        works = [scheduling._Work(Ticket(), prefill=job) for job in jobs]
+        with scheduler._model_lock:
+            scheduler._prefills_held(works)
         assert scheduler.stats.prefills == 2
     assert len({name for name, _, _ in seen}) == 2
-    share = (1, False) if not engine.prompt_team[1] else (None, True)
+    share = (1, False) if not team.openmp else (None, True)
     assert [(threads, openmp) for _, threads, openmp in seen] == [share, share]
     for work, (state, codes) in zip(works, alone, strict=True):
         assert work.error is None
@@ -603,8 +604,7 @@ def test_a_scheduled_stream_generates_only_what_its_vocoder_needs_soon(typed):
     with engine.scheduler(max_batch=2) as scheduler:
         stream = scheduler.stream(TEXTS[0], **options)
         chunks = [next(stream)]  # 1 frame; the next chunk takes 2
-        time.sleep(0.5)  # the consumer is away
-        made = stream.frames_generated
+        made = _paced(scheduler, stream, 1 + PACE_CHUNKS * 2)  # the consumer is away
         chunks += list(stream)
     assert made == 1 + PACE_CHUNKS * 2
     assert sum(c.frames for c in chunks) == 39
@@ -616,9 +616,20 @@ def test_a_scheduled_stream_generates_only_what_its_vocoder_needs_soon(typed):
     with engine.scheduler(max_batch=2) as scheduler:  # a chunk that may catch up with 7 frames: 2 x 7 ready
         stream = scheduler.stream(TEXTS[0], chunk_frames=2, max_chunk_frames=7, **options)
         next(stream)
-        time.sleep(0.5)
-        assert stream.frames_generated == 1 + PACE_CHUNKS * 7
+        assert _paced(scheduler, stream, 1 + PACE_CHUNKS * 7) == 1 + PACE_CHUNKS * 7
         assert [c.frames for c in stream][:2] == [7, 7]  # it catches up, as a stream alone would
+
+
+def _paced(scheduler, stream, frames: int, timeout: float = 120.0) -> int:
+    """The frames `stream` has made once the scheduler waits with nothing due (its steps paced to
+    the vocoders: `lanes._generating` False) after making at least `frames`; bounded by `timeout`,
+    whatever the machine's speed. While it waits, nothing more is made (the consumer is away)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if stream.frames_generated >= frames and not scheduler.lanes._generating:
+            return stream.frames_generated
+        time.sleep(0.005)
+    return stream.frames_generated
 
 
 def test_the_scheduler_runs_one_decode_at_a_time_with_one_lane(typed, monkeypatch):
@@ -677,7 +688,7 @@ def test_a_joining_streams_prefill_runs_at_the_next_frame_boundary(typed, monkey
     engine = typed("float32")
     events: list[str] = []
     with engine.scheduler(max_batch=2) as scheduler:
-        exclusive, prefill, step = scheduler._exclusive, scheduler._prefill, scheduler.batch.decode_frames
+        exclusive, prefill, step = scheduler._exclusive, scheduler._prefill, scheduler.step.decode
 
         @contextmanager
         def watched_prompt():
@@ -689,13 +700,13 @@ def test_a_joining_streams_prefill_runs_at_the_next_frame_boundary(typed, monkey
             events.append("prefill")
             prefill(work)
 
-        def watched_step(states, texts, pause=None):
+        def watched_step(states, texts, pause=no_pause):
             events.append("step")
             return step(states, texts, pause)
 
         monkeypatch.setattr(scheduler, "_exclusive", watched_prompt)
         monkeypatch.setattr(scheduler, "_prefill", watched_prefill)
-        monkeypatch.setattr(scheduler.batch, "decode_frames", watched_step)
+        monkeypatch.setattr(scheduler.step, "decode", watched_step)
         running = scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=400, ignore_eos=True)
         chunks = iter(running)
         next(chunks)
@@ -716,12 +727,12 @@ def test_a_stream_that_joins_during_a_step_starts_within_it(typed, monkeypatch):
     joining: dict = {}
     options = dict(voice="ryan", seed=2, max_new_tokens=6, ignore_eos=True)
     with engine.scheduler(max_batch=2) as scheduler:
-        step, prefill = scheduler.batch.decode_frames, scheduler._prefill
+        step, prefill = scheduler.step.decode, scheduler._prefill
 
         def join() -> None:
             joining["got"] = _speak(scheduler.stream(TEXTS[1], **options))
 
-        def watched_step(states, texts, pause):
+        def watched_step(states, texts, pause=no_pause):
             third = events.count("step") == 2
             events.append("step")
 
@@ -730,7 +741,7 @@ def test_a_stream_that_joins_during_a_step_starts_within_it(typed, monkeypatch):
                     events.append("join")
                     joining["thread"] = threading.Thread(target=join)
                     joining["thread"].start()
-                    deadline = time.monotonic() + 10
+                    deadline = time.monotonic() + 120
                     while events[-1] != "prefill" and time.monotonic() < deadline:
                         pause()  # the scheduler's own pause: it lets the new stream in, or not
                         time.sleep(0.002)
@@ -744,7 +755,7 @@ def test_a_stream_that_joins_during_a_step_starts_within_it(typed, monkeypatch):
             events.append("prefill")
             prefill(work)
 
-        monkeypatch.setattr(scheduler.batch, "decode_frames", watched_step)
+        monkeypatch.setattr(scheduler.step, "decode", watched_step)
         monkeypatch.setattr(scheduler, "_prefill", watched_prefill)
         running = _speak(scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=10, ignore_eos=True))
         joining["thread"].join(30)

@@ -10,6 +10,7 @@ from clone_support import espeak
 from safetensors.torch import load_file, save_file
 
 from kazeia import CheckpointError, Engine, Voice
+from kazeia.audio import write_audio
 from kazeia.cli import main
 from kazeia.voices import VoiceModel, icl_cut
 
@@ -103,6 +104,26 @@ def test_stream_when_the_reference_cut_keeps_a_reference_sample(engines, voices)
     with engine.stream(TEXT, chunk_frames=5, **options) as stream:
         audio = np.concatenate([c.audio for c in stream])
     assert np.max(np.abs(audio - offline.audio[1:])) <= 1e-5
+
+
+def test_kazeia_say_writes_synthesizes_audio_with_the_reference_sample_it_keeps(engines, voices, tiny_checkpoints,
+                                                                              tmp_path):  # fmt: skip
+    """`kazeia say` (without --stream) takes its audio where `synthesize` does (`Engine.assemble`):
+    34 reference + 22 generated frames, where the reference's cut keeps the reference's last sample
+    in front of the audio, give the same 16-bit samples, that sample included."""
+    import soundfile
+
+    engine, voice = engines["0.6B-base"], voices["0.6B-base"][0]
+    options = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=23, ignore_eos=True)
+    offline = engine.synthesize(TEXT, voice=voice, **options)
+    assert len(offline.audio) == 22 * 1920 + 1
+    voice.save(tmp_path / "me.voice")
+    out = tmp_path / "say.wav"
+    args = ["--model", str(tiny_checkpoints["0.6B-base"]), "--voice", str(tmp_path / "me.voice"), "-o", str(out)]
+    assert main(["say", TEXT, *args, "--greedy", "--max-new-tokens", "23", "--ignore-eos"]) == 0
+    write_audio(tmp_path / "synthesized.wav", offline.audio)  # the same file writer
+    written, rate = soundfile.read(out, dtype="int16")
+    assert rate == 24000 and np.array_equal(written, soundfile.read(tmp_path / "synthesized.wav", dtype="int16")[0])
 
 
 def test_voice_from_another_checkpoint_is_rejected(engines, voices, tmp_path):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kazeia import Engine, cpu, native
-from kazeia.layers import can_pack
+from kazeia import Engine, cpu, native, placement
+from kazeia.matmul import can_pack
 from kazeia.quant import QuantLinear, int8_supported, needs_reduced_range
 
 ALL = frozenset(cpu.FEATURES)
@@ -116,6 +116,7 @@ ISA_SENSITIVE = [
     "test_prepared.py",
     "test_int4.py",
     "test_batch.py::test_the_step_in_one_native_call_equals_the_step_layer_by_layer",
+    "test_batch.py::test_a_batched_step_gives_each_request_its_solo_codes",
 ]
 NESTED = "KAZEIA_TEST_ISA_LEVEL"  # set in the runs below, so they do not start runs of their own
 
@@ -192,5 +193,5 @@ def test_a_team_given_as_a_callable_is_asked_at_each_product():
         other = threading.Thread(target=lambda: seen.setdefault("other", cpu.native_threads()))
         other.start()
         other.join()
-        assert cpu.product_threads(cpu.SPLIT_MIN_ROWS - 1) == 1  # a step's few rows: never asked
+        assert placement.product_threads(placement.SPLIT_MIN_ROWS - 1) == 1  # a step's few rows: never asked
     assert seen == {"other": 1} and cpu.native_threads() == 1

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kazeia import Engine, RequestError, SamplingOptions, generate
+from kazeia import Engine, RequestError, SamplingOptions
+from kazeia.frame import voiced_cache, voiced_key
+from kazeia.lru import LRU
 from kazeia.prompt import build_prompt
 
 SHORT = dict(max_new_tokens=12)
@@ -58,17 +60,18 @@ def test_a_voices_prompt_positions_are_kept_and_give_the_same_bits(engines, name
     assert 0 < n == first.voiced < second.embeds.shape[1]
     assert torch.equal(first.embeds[:, :n], second.embeds[:, :n])
     assert not torch.equal(first.embeds[:, n], second.embeds[:, n])
-    cache = generate.voiced_cache(engine.model)
+    step = engine.runtime.step
+    cache = step.voiced
 
     def prefill(prompt, options, seed):
-        return generate.prefill(engine.model, prompt, options, torch.Generator().manual_seed(seed))
+        return step.prefill(prompt, options, torch.Generator().manual_seed(seed))
 
     with torch.inference_mode():
         cache.clear()
         computed = prefill(*jobs[1])
         cache.clear()
         prefill(*jobs[0])  # keeps the voice's positions
-        assert cache.get(generate.VoicedCache.key(second.embeds[:, :n])) is not None
+        assert cache.get(voiced_key(second.embeds[:, :n])) is not None
         kept = prefill(*jobs[1])
     assert torch.equal(computed[1], kept[1])
     length = second.embeds.shape[1]
@@ -80,19 +83,20 @@ def test_a_voices_prompt_positions_are_kept_and_give_the_same_bits(engines, name
 def test_the_voiced_cache_keeps_to_its_bound_least_recently_used_first_out():
     def entry(value: float):
         layers = [(torch.full((1, 2, 3, 4), value), torch.full((1, 2, 3, 4), value))]
-        return generate.VoicedCache.key(torch.full((1, 3, 4), value)), layers
+        return voiced_key(torch.full((1, 3, 4), value)), layers
 
     one = sum(k.nbytes + v.nbytes for k, v in entry(0.0)[1]) + len(entry(0.0)[0][2])
-    cache = generate.VoicedCache(limit=2 * one)
+    size = voiced_cache()._size  # the voice cache's own measure of an entry
+    cache = LRU(2 * one, size)
     (a, la), (b, lb), (c, lc), (d, ld) = (entry(v) for v in (1.0, 2.0, 3.0, 4.0))
     cache.put(a, la)
     cache.put(b, lb)
     assert cache.get(a) is la  # now the most recently used
     cache.put(c, lc)  # b goes
-    assert cache.get(b) is None and cache.get(a) is la and cache.get(c) is lc and cache.size == 2 * one
-    tiny = generate.VoicedCache(limit=one - 1)
+    assert cache.get(b) is None and cache.get(a) is la and cache.get(c) is lc and cache.total == 2 * one
+    tiny = LRU(one - 1, size)
     tiny.put(d, ld)  # larger than the whole bound: not kept
-    assert tiny.get(d) is None and tiny.size == 0
+    assert tiny.get(d) is None and tiny.total == 0
 
 
 def test_global_rng_untouched(engines):
@@ -175,7 +179,7 @@ BAD_INPUTS = [
     ("0.6B-custom", dict(language="klingon"), "unknown language 'klingon'; choose one of: auto"),
     ("0.6B-custom", dict(language="beijing_dialect"), "unknown language"),
     ("0.6B-custom", dict(instruct="Be happy."), "does not support instruct"),
-    ("0.6B-custom", dict(colour="blue"), "unknown option 'colour'; valid options: do_sample"),
+    ("0.6B-custom", dict(colour="blue"), "unknown option 'colour'; valid options: voice, language"),
     ("0.6B-custom", dict(temperature=0), "temperature must be a number >= 0.001"),
     ("0.6B-custom", dict(temperature=1e-300), "temperature must be a number >= 0.001"),
     ("0.6B-custom", dict(subtalker_temperature=float("inf")), "subtalker_temperature must be a number >= 0.001"),
@@ -236,7 +240,7 @@ def test_offline_audio_is_one_decode_of_the_codes_made_beside_generation(engines
 
 
 def test_each_stage_gets_half_the_cores_by_default(tiny_checkpoints):
-    from kazeia.engine import stage_threads
+    from kazeia.placement import stage_threads
 
     try:
         Engine.load(tiny_checkpoints["0.6B-custom"])

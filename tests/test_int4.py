@@ -8,6 +8,7 @@ import torch
 
 from kazeia import Engine, cpu, int4, native
 from kazeia.int4 import HeadLinear, Int4Linear
+from kazeia.placement import SPLIT_MIN_ROWS
 from kazeia.quant import QuantEmbedding
 from kazeia.testing import ggml
 from kazeia.testing.quality import compare
@@ -90,7 +91,7 @@ def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads, outputs):
     stay on one thread."""
     gen = torch.Generator().manual_seed(2)
     linear = Int4Linear.from_float(torch.randn(outputs, 512, generator=gen), torch.randn(outputs, generator=gen), LIB)
-    x = torch.randn(cpu.SPLIT_MIN_ROWS + 5, 512, generator=gen)
+    x = torch.randn(SPLIT_MIN_ROWS + 5, 512, generator=gen)
     alone = linear(x)
     with cpu.team(threads, openmp=False):
         assert cpu.native_threads() == threads
@@ -201,7 +202,7 @@ def yardsticks(tiny_checkpoints, engines):
         quality = {"int4": Engine.load(tiny_checkpoints[name], dtype="int4")}
         for activations in ("q8_k", "float"):
             quality[activations] = Engine.load(tiny_checkpoints[name])
-            ggml.apply_q4_k_m(quality[activations].model, activations)
+            ggml.apply_q4_k_m(quality[activations], activations)
         out[name] = {k: compare(e, baseline, text, frames=30, voice="serena") for k, e in quality.items()}
     return out
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kazeia import cpu
-from kazeia.layers import Attention, KVCache, Rotary, apply_rotary, cache_dtype, matrix_product, rms_norm
+from kazeia.layers import Attention, KVCache, Rotary, apply_rotary, cache_dtype, rms_norm
+from kazeia.matmul import matrix_product
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,9 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kazeia import LongTextOptions, RequestError, Voice
-from kazeia.request import SEED_STEP
-from kazeia.runaway import Guard, is_loop, overall
-from kazeia.segment import split_text
+from kazeia.runaway import RunawayGuard, is_loop, overall
+from kazeia.segment import SEED_STEP, split_text
 from kazeia.subtitles import srt, vtt
 
 CORPUS = {
@@ -253,11 +252,11 @@ def test_loop_rule():
     assert is_loop([1, 2, 3, 1, 2, 3, 3, 2, 1] * 6)  # three distinct tokens only: a held sound
     assert not is_loop(list(range(48)))
     assert not is_loop([i % 9 for i in range(48)])  # period 9 is over MAX_PERIOD, with 9 tokens
-    guard = Guard(None, 16)
+    guard = RunawayGuard(None, 16)
     tokens = list(range(100, 120)) + [4, 5, 6, 7] * 10
     stops = [guard.stops(t) for t in tokens]
     assert stops.index(True) == 20 + 16 - 1  # the first window that is all loop
-    budget = Guard(5, 16)
+    budget = RunawayGuard(5, 16)
     assert [budget.stops(t) for t in range(6)] == [False, False, False, False, True, True]
     assert overall([]) == "eos" and overall(["eos", "length"]) == "length"
     assert overall(["guard", "length", "eos"]) == "guard" and overall(["eos", "cancelled", "guard"]) == "cancelled"
@@ -309,7 +308,7 @@ def test_carry_context_continues_the_previous_segment(engines):
 
 
 def test_subtitles_formats(engines):
-    from kazeia.streaming import Segment
+    from kazeia.segment import Segment
 
     segments = [
         Segment(0, "Hello there.", 0, 1920 * 20, "eos", 24000),

@@ -15,7 +15,8 @@ from torch import nn
 
 from kazeia import Engine, native
 from kazeia.conv import SnakeBeta
-from kazeia.layers import Block, KVCache, RMSNorm, Rotary, can_pack, fuse_projections, pack_linears, replace_linears
+from kazeia.layers import Block, KVCache, RMSNorm, Rotary, fuse_projections
+from kazeia.matmul import can_pack, pack_linears, replace_linears
 from kazeia.native import linear as native_linear
 from kazeia.quant import QuantLinear, int8_supported, quantize_linears
 
@@ -92,21 +93,23 @@ def stack_cases():
 
 @pytest.mark.parametrize(("dtype", "linears"), list(stack_cases()))
 def test_native_step_matches_the_eager_layers(dtype, linears):
-    """The native step against the eager layers over 23 positions (one- and two-position steps),
-    caches included. float32: the same values up to summation order. Reduced precision and int8,
-    where a summation-order difference can move a rounding (to the 16-bit format, or on an int8
-    product's 16-bit activation grid): as close to the exact float64 arithmetic as the eager layers
-    are."""
+    """The three implementations of a layer (kazeia/native/step.py) on one input, over 23 positions
+    (one- and two-position steps), caches included. The native step against the eager layers:
+    float32, the same values up to summation order; reduced precision and int8, where a
+    summation-order difference can move a rounding (to the 16-bit format, or on an int8 product's
+    16-bit activation grid), as close to the exact float64 arithmetic as the eager layers are.
+    Where every product is native the step is stack.c's whole step, and the C glue called layer by
+    layer gives its bits exactly."""
     if dtype == torch.float16 and not native.library().has_float16():
         pytest.skip("this C compiler has no _Float16")
     layers, norm, (exact_layers, exact_norm) = make_stack(dtype, linears)
     rot = Rotary(HEAD_DIM, 10000.0)
-    ours, theirs, truth = new_caches(), new_caches(), new_caches(dtype=torch.float64)
+    ours, theirs, glue, truth = new_caches(), new_caches(), new_caches(), new_caches(dtype=torch.float64)
     gen = torch.Generator().manual_seed(1)
     got_all, want_all, exact_all = [], [], []
     with torch.inference_mode():
         prompt = torch.randn(1, 7, DIM, generator=gen).to(dtype)
-        for caches in (ours, theirs):  # the prompt takes the eager path in both
+        for caches in (ours, theirs, glue):  # the prompt takes the eager path in all
             eager_step(layers, norm, prompt, rot.span(0, 7, dtype, "cpu"), caches, 0)
         eager_step(exact_layers, exact_norm, prompt.double(), rot.span(0, 7, torch.float64, "cpu"), truth, 0)
         step = native.stack_step(native.library(), layers, norm, dtype)
@@ -120,6 +123,9 @@ def test_native_step_matches_the_eager_layers(dtype, linears):
             assert step.applies(x, ours)
             got = step(x, rope, ours, pos)
             want = eager_step(layers, norm, x, rope, theirs, pos)
+            if step.whole is not None:  # layer by layer through the same kernels: the same bits
+                apart = step._run(x.reshape(width, DIM), width, [(rope, glue, pos)], step.layers)
+                assert torch.equal(apart.view(1, width, DIM), got)
             exact = eager_step(
                 exact_layers, exact_norm, x.double(), rot.span(pos, width, torch.float64, "cpu"), truth, pos
             )

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from kazeia import Engine, native
 from kazeia.cli import main
 from kazeia.config import CheckpointError
-from kazeia.prepared import FORMAT, prepared_dtype, quantize
+from kazeia.prepare import quantize
+from kazeia.prepared import FORMAT, prepared_dtype
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=16, seed=3)
 NEEDS_INT8 = requires_int8

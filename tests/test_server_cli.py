@@ -50,12 +50,13 @@ def test_server_config_checks_its_fields():
     assert ServerConfig("m").schedule.limit(3) == 4  # the schedule's own sizes unless asked
     assert ServerConfig("m", chunk_frames=6, max_chunk_frames=3).schedule.limit(1) == 6  # raised to chunk_frames
     assert ServerConfig("m", max_chunk_frames=16).schedule.limit(0) == 1  # the first chunk never grows
-    from kazeia.cli import _server_config, build_parser
+    from kazeia.cli import build_parser
+    from kazeia.server.commands import server_config
 
     for command in ("serve", "wyoming"):
         args = build_parser().parse_args([command, "--model", "m", "--max-chunk-frames", "12"])
-        assert _server_config(args, None).schedule == ChunkSchedule(1, 4, 12)
-    assert _server_config(build_parser().parse_args(["serve", "--model", "m"]), None).max_chunk_frames is None
+        assert server_config(args, None).schedule == ChunkSchedule(1, 4, 12)
+    assert server_config(build_parser().parse_args(["serve", "--model", "m"]), None).max_chunk_frames is None
     with pytest.raises(ValueError, match="max_input_chars"):
         Limits(max_input_chars=0)
     with pytest.raises(ValueError, match="max_temperature"):
@@ -96,8 +97,9 @@ def test_serve_takes_long_inputs_only_with_max_input_chars(engines):
     from fastapi.testclient import TestClient
     from server_support import assert_pcm_close, offline_pcm
 
-    from kazeia.cli import _server_config, build_parser
+    from kazeia.cli import build_parser
     from kazeia.server import create_app
+    from kazeia.server.commands import server_config
 
     sentences = "A long article is read aloud in one voice. 今天天气很好，我们去公园散步吧！ Wir kaufen z. B. Brot. "
     text = (sentences * (20_000 // len(sentences) + 1))[:20_000]
@@ -107,7 +109,7 @@ def test_serve_takes_long_inputs_only_with_max_input_chars(engines):
     body = {"input": text, "response_format": "pcm", **options}
     refused = {(): "characters", ("--max-input-chars", "20000", "--max-input-tokens", "4096"): "tokens"}
     for flags in [*refused, ("--max-input-chars", "20000")]:
-        config = _server_config(build_parser().parse_args(["serve", "--model", "tiny-custom", *flags]), None)
+        config = server_config(build_parser().parse_args(["serve", "--model", "tiny-custom", *flags]), None)
         with TestClient(create_app(engine, config)) as client:
             r = client.post("/v1/audio/speech", json=body)
         if flags in refused:

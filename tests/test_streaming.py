@@ -11,7 +11,8 @@ from conftest import INT8
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kazeia import Engine, generate, streaming
+from kazeia import Engine, cpu, streaming
+from kazeia.frame import FrameStep
 from kazeia.live import TextFeed
 from kazeia.prompt import build_prompt
 from kazeia.scheduler import SchedulerBusy
@@ -94,13 +95,13 @@ def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines, monkeypatch):
     engine = engines["0.6B-custom"]
     options = dict(voice="serena", seed=4, max_new_tokens=30, ignore_eos=True)
     offline = engine.synthesize(TEXT, **options)
-    step = generate.decode_frame
+    step = engine.runtime.step.decode
 
     def slow_step(*args):  # generation slower than the tiny vocoder by far: the consumer keeps up
         time.sleep(0.05)
         return step(*args)
 
-    monkeypatch.setattr(generate, "decode_frame", slow_step)
+    monkeypatch.setattr(engine.runtime.step, "decode", slow_step)
     chunks = _check_stream(engine.stream(TEXT, chunk_frames=3, max_chunk_frames=3, **options), offline)
     assert [c.frames for c in chunks[:3]] == [1, 2, 3] and {c.frames for c in chunks[2:-1]} == {3}
     with pytest.raises(ValueError, match="max_chunk_frames"):
@@ -147,17 +148,16 @@ def test_breaking_out_of_a_loop_releases_the_worker(engines):
 
 def test_worker_errors_reach_the_caller(engines, monkeypatch):
     engine = engines["0.6B-custom"]
-    predictor = engine.model.code_predictor
     calls = {"n": 0}
-    original = type(predictor).forward
+    original = FrameStep._predict
 
     def failing(self, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] > 40:
+        if calls["n"] > 3:
             raise RuntimeError("predictor exploded")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(type(predictor), "forward", failing)
+    monkeypatch.setattr(FrameStep, "_predict", failing)
     with pytest.raises(RuntimeError, match="predictor exploded"):
         list(engine.stream(TEXT, voice="ryan", seed=3, max_new_tokens=100, ignore_eos=True))
     assert _workers() == 0
@@ -200,19 +200,19 @@ def test_reference_chunked_decode_option(engines):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", INT8, "int4"])
 def test_a_prompt_on_a_team_gives_the_same_state(tiny_checkpoints, dtype):
-    """The talker's pass over a prompt on two threads (generate.prefill's prompt_threads) leaves
+    """The talker's pass over a prompt on two threads (FrameStep.prefill's team) leaves
     the same KV cache and first frame as on one, bit for bit: which of them a request gets may
     depend on what else the engine does (test below), its codes may not."""
     engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype=dtype)
     request = engine.request(TEXT, voice=engine.voices[0], seed=4, do_sample=True)
     part = request.parts[0]
     prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
-    made = []
+    made, openmp = [], engine.runtime.placement.prompt_team is None or engine.runtime.placement.prompt_team.openmp
     for threads in (1, 2):  # explicit: torch's own count may already be 2 on a larger machine
         with torch.inference_mode():
             generator = torch.Generator().manual_seed(part.seed)
-            state, codes = generate.prefill(engine.model, prompt, request.options, generator, threads,
-                                            engine._alone.openmp)  # fmt: skip
+            team = cpu.Team(threads, openmp)
+            state, codes = engine.runtime.step.prefill(prompt, request.options, generator, team)
         made.append((codes, [(c.k.clone(), c.v.clone()) for c in state.cache.layers]))
     (codes_one, kv_one), (codes_two, kv_two) = made
     assert torch.equal(codes_one, codes_two)
@@ -224,10 +224,8 @@ def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monk
     the engine has no other request running and no other stream open: the vocoder has nothing to
     decode then. A second stream opened meanwhile, and later segments, keep torch's threads."""
     engine = engines["0.6B-custom"]
-    team = engine._alone.prompt_threads  # None on a one-core machine: then nobody gets more
-    seen: list[int | None] = []
-    prefill = generate.prefill
-    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
+    team = _threads(engine.runtime.placement.prompt_team)  # None on a one-core machine: nobody gets more
+    seen = _prefill_teams(monkeypatch)
     options = {"voice": "ryan", "seed": 3, "max_new_tokens": 6}
     first = engine.stream(TEXT, **options)
     next(first)  # its prompt has run
@@ -242,17 +240,16 @@ def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monk
     assert len(seen) >= 5 and seen[3:] == [team] + [None] * (len(seen) - 4)  # a segment each
     # torch's parallel regions join the team, except where int4's own threaded products do the work
     if team is not None:
-        assert engine._alone.openmp and not Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")._alone.openmp
+        int4 = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
+        assert engine.runtime.placement.prompt_team.openmp and not int4.runtime.placement.prompt_team.openmp
 
 
 def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
     """A stream the scheduler refuses (SchedulerBusy) or whose thread cannot start counts neither
     in nor twice out: afterwards an engine with nothing open gives a first prompt its team again."""
     engine = engines["0.6B-custom"]
-    team = engine._alone.prompt_threads
-    seen: list = []
-    prefill = generate.prefill
-    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
+    team = _threads(engine.runtime.placement.prompt_team)
+    seen = _prefill_teams(monkeypatch)
     options = {"voice": "ryan", "seed": 3, "max_new_tokens": 4}
     with engine.scheduler(max_batch=1, max_queue=0) as scheduler:
         # long enough to hold its place: its generation waits on its bounded queue of frames
@@ -271,7 +268,7 @@ def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
         engine.stream(TEXT, **options)
     monkeypatch.undo()
     gc.collect()  # the half-made stream's __del__ must not count it out a second time
-    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4] if len(a) > 4 else "scheduled") or prefill(*a))
+    _prefill_teams(monkeypatch, seen)
     list(engine.stream(TEXT, **options))
     # the scheduler's prompt (no audio being decoded: the team too), then the engine's own first one
     assert seen == [team, team]
@@ -282,9 +279,7 @@ def test_live_text_decides_its_team_when_its_prompt_runs(engines, monkeypatch):
     is decided then, not when the stream opened. Opened alone, its words arriving while another
     stream is open: no team; the other stream, opened beside it, none either."""
     engine = engines["0.6B-custom"]
-    seen: list = []
-    prefill = generate.prefill
-    monkeypatch.setattr(generate, "prefill", lambda *a: seen.append(a[4]) or prefill(*a))
+    seen = _prefill_teams(monkeypatch)
     options = {"voice": "ryan", "seed": 3, "max_new_tokens": 4}
     feed = TextFeed()
     live = engine.stream(feed, **options)  # alone when opened; its prompt waits for words
@@ -295,3 +290,21 @@ def test_live_text_decides_its_team_when_its_prompt_runs(engines, monkeypatch):
         next(live)
     list(live)
     assert seen == [None, None]
+
+
+def _threads(team: cpu.Team | None) -> int | None:
+    return None if team is None else team.threads
+
+
+def _prefill_teams(monkeypatch, seen: list | None = None) -> list:
+    """The threads each prefill runs on from now (None: torch's), as FrameStep.prefill is asked,
+    appended to `seen` (a new list by default)."""
+    seen = [] if seen is None else seen
+    prefill = FrameStep.prefill
+
+    def recorded(self, prompt, opts, generator, team=None):
+        seen.append(_threads(team))
+        return prefill(self, prompt, opts, generator, team)
+
+    monkeypatch.setattr(FrameStep, "prefill", recorded)
+    return seen

@@ -27,7 +27,7 @@ from kazeia.conv import (
     TimeMajorTransConv,
     packs_best,
 )
-from kazeia.layers import PackedLinear, can_pack
+from kazeia.matmul import PackedLinear, can_pack
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
 from kazeia.vocoder import Vocoder, vocoder_tensors
 

@@ -30,6 +30,7 @@ from wyoming.info import Describe, Info
 from wyoming.ping import Ping
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeVoice
 
+from kazeia.options import SynthesisOptions
 from kazeia.server import Limits, ServerConfig
 from kazeia.server.config import WyomingSettings
 from kazeia.server.wyoming import WyomingService
@@ -81,10 +82,14 @@ def _accepts(port: int) -> bool:
 
 
 def serve(engine, settings: dict | None = None, **config) -> LiveWyoming:
+    """A Wyoming server of `engine`; `settings`: every utterance's options (SynthesisOptions fields,
+    the sampling ones under "sampling") and "idle_s"."""
     limits = config.pop("limits", Limits(max_input_chars=200, max_new_tokens=600))
-    settings = settings or dict(seed=OPTIONS["seed"], sampling=dict(ignore_eos=True, max_new_tokens=48))
+    settings = dict(settings or dict(seed=OPTIONS["seed"], sampling=dict(ignore_eos=True, max_new_tokens=48)))
+    idle = {"idle_s": settings.pop("idle_s")} if "idle_s" in settings else {}
+    options = SynthesisOptions(**settings.pop("sampling", {}), **settings)
     config = ServerConfig("tiny", limits=limits, **config)
-    return LiveWyoming(WyomingService(engine, config, WyomingSettings(**settings)))
+    return LiveWyoming(WyomingService(engine, config, WyomingSettings(options, **idle)))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ A decoding step multiplies one or two activation rows by each weight: a weight r
 weight. gemv.c streams each weight row once at nearly the read bandwidth of one thread, where the
 stock and oneDNN kernels, run on one thread, read well below it (figures: docs/design.md); the
 engine gives generation one thread of its own (kazeia/engine.py), so this is its product. More
-rows (a prompt) are a matrix product bound by arithmetic: `layers.matrix_product` on the same
+rows (a prompt) are a matrix product bound by arithmetic: `matmul.matrix_product` on the same
 weight, in float32 where the CPU has no bfloat16/float16 dot products (the stock half-precision
 kernels are slow there). Tensors only.
 """
@@ -18,11 +18,10 @@ import torch
 from torch import nn
 
 from .. import cpu
-from ..layers import matrix_product
-from . import Product, address
+from ..matmul import matrix_product
+from ..products import MAX_ROWS, NATIVE_DTYPES, ProductSpec, RowProduct, address, check
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-MAX_ROWS = 2  # rows per call the GEMV takes (a decode step: one position, or the predictor's first two)
+STEP_ROWS = 2  # rows `forward` sends to the GEMV (a decode step: one position, or the predictor's first two)
 HALF_FEATURE = {torch.bfloat16: "bf16", torch.float16: "f16"}  # native half-precision dot products
 
 
@@ -35,27 +34,39 @@ class NativeLinear(nn.Module):
         self.register_buffer("weight", linear.weight.detach().contiguous())
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().contiguous())
         self.lib = lib
-        self.dt = DTYPES[self.weight.dtype]
+        self.dt = NATIVE_DTYPES[self.weight.dtype]
         feature = HALF_FEATURE.get(self.weight.dtype)
         self.prompt_in_float32 = feature is not None and not cpu.uses(feature)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) -> (..., out), in the weight's dtype."""
         rows = x.reshape(-1, self.in_features)
-        m = rows.shape[0]
-        if m > MAX_ROWS or x.dtype != self.weight.dtype:
+        if rows.shape[0] > STEP_ROWS or x.dtype != self.weight.dtype:
             return self._matmul(x)
-        rows = rows.contiguous()
-        y = torch.empty(m, self.out_features, dtype=x.dtype)
-        self.lib.gemv(self.weight.data_ptr(), rows.data_ptr(), address(self.bias), y.data_ptr(), self.out_features,
-                      self.in_features, m, self.dt)  # fmt: skip
-        return y.view(*x.shape[:-1], self.out_features)
+        return self._gemv(rows).view(*x.shape[:-1], self.out_features)
+
+    def row_product(self) -> RowProduct:
+        """The GEMV on up to MAX_ROWS rows at once, each row reduced in the order of one row alone
+        (kazeia/products.py): a batched step's product."""
+        return self._gemv
+
+    def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (m, in) -> (m, out) in the weight's dtype, through gemv.c."""
+        rows = rows.reshape(-1, self.in_features).to(self.weight.dtype).contiguous()
+        m = rows.shape[0]
+        y = torch.empty(m, self.out_features, dtype=self.weight.dtype)
+        if m == 0:  # e.g. live text's empty text track: nothing to multiply
+            return y
+        status = self.lib.gemv(self.weight.data_ptr(), rows.data_ptr(), address(self.bias), y.data_ptr(),
+                               self.out_features, self.in_features, m, self.dt)  # fmt: skip
+        check(status, f"the GEMV of {m} rows (at most {MAX_ROWS})")
+        return y
 
     def product_spec(self, dtype: torch.dtype) -> tuple | None:
-        """This product for stack.c (`native.Product`) in activations of `dtype`, or None."""
+        """This product for stack.c (`products.ProductSpec`) in activations of `dtype`, or None."""
         if self.weight.dtype != dtype:
             return None
-        return (Product.GEMV, self.dt, self.weight.data_ptr(), None, None, None, address(self.bias),
+        return (ProductSpec.GEMV, self.dt, self.weight.data_ptr(), None, None, None, address(self.bias),
                 self.out_features, self.in_features)  # fmt: skip
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +80,7 @@ def usable(lib: ctypes.CDLL | None, dtype: torch.dtype) -> bool:
     """Whether the native GEMV should take this model's products: a library with vector
     instructions (the portable build's scalar loops are slower than the stock kernels), a dtype it
     takes, and torch on one thread per stage (with more, oneDNN's multi-threaded products win)."""
-    if lib is None or dtype not in DTYPES or lib.gemv_vector_bits() == 0:
+    if lib is None or dtype not in NATIVE_DTYPES or lib.gemv_vector_bits() == 0:
         return False
     if dtype == torch.float16 and not lib.has_float16():
         return False

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from ..engine import Engine
 from .config import ServerConfig
 from .errors import ApiError
-from .guard import Guard
+from .guard import AccessGuard
 from .info import router as info_router
 from .speech import router as speech_router
 from .state import build_state, server_state
@@ -49,7 +49,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             allow_headers=["Authorization", "Content-Type"],
             expose_headers=["X-Kazeia-Seed"],
         )
-    app.add_middleware(Guard, config=config)  # outermost: Host, Origin and API key before anything
+    app.add_middleware(AccessGuard, config=config)  # outermost: Host, Origin and API key before anything
     app.state.kazeia = state
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)

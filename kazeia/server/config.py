@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..options import SynthesisOptions
 from ..streaming import ChunkSchedule
 
 DEFAULT_VOICES_DIR = "voices"  # relative to the working directory of the server
@@ -158,16 +159,17 @@ class WyomingSettings:
     """What every utterance gets that a Wyoming client cannot ask for (the protocol carries a text
     and a voice's name, language and speaker, nothing more)."""
 
-    voice: str | None = None  # when a request names none: None for the first voice `info` lists
-    language: str | None = None  # when a request names none (Home Assistant sends none): None for auto
-    instruct: str | None = None  # 1.7B CustomVoice: a speaking style; VoiceDesign: the voice (required)
-    seed: int | None = None  # every utterance's seed: the same text gives the same audio (None: random)
-    sampling: dict = field(default_factory=dict)  # SamplingOptions fields, e.g. {"temperature": 0.7}
+    # voice: when a request names none (None: the first voice `info` lists); language: when a request
+    # names none (Home Assistant sends none; a Wyoming code or a name, None for auto); instruct, seed,
+    # speed and the sampling options: every utterance's (a fixed seed: the same text, the same audio).
+    # The options' long_text is not used (a Wyoming text is spoken as the HTTP server speaks one).
+    options: SynthesisOptions = SynthesisOptions()
     idle_s: float = 300.0  # a connection with nothing generating for this long is closed
-    speed: float = 1.0  # pace of every utterance, 0.25-4.0 (kazeia/speed.py); 1.0: untouched
 
     def __post_init__(self) -> None:
         _check_seconds("idle_s", self.idle_s)
+        if not isinstance(self.options, SynthesisOptions) or not isinstance(self.options.voice, (str, type(None))):
+            raise ValueError("the Wyoming server's options are SynthesisOptions with a voice name (or none)")
 
 
 def _check_seconds(name: str, value) -> None:

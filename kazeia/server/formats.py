@@ -34,7 +34,7 @@ UNKNOWN_SIZE = 0xFFFFFFFF  # RIFF/data chunk size of a WAV whose length is not k
 MP3_CBR = dict(bitrate_mode="CONSTANT", compression_level=0.5)
 
 
-class Encoder:
+class AudioEncoder:
     """Raw 16-bit PCM; subclasses add a container."""
 
     def header(self) -> bytes:
@@ -50,7 +50,7 @@ class Encoder:
         return b""
 
 
-class WavEncoder(Encoder):
+class WavEncoder(AudioEncoder):
     def header(self) -> bytes:
         return wav_header(SAMPLE_RATE, UNKNOWN_SIZE)
 
@@ -112,7 +112,7 @@ class _Sink:
         return chunk
 
 
-class SoundfileEncoder(Encoder):
+class SoundfileEncoder(AudioEncoder):
     """A libsndfile container; `streamed=False` holds every byte back until `finish()`."""
 
     def __init__(self, format: str, subtype: str, streamed: bool, **options):
@@ -137,13 +137,13 @@ class SoundfileEncoder(Encoder):
 class AudioFormat:
     name: str  # the `response_format` value
     media_type: str  # Content-Type of the response
-    make: Callable[[], Encoder]  # a fresh encoder for one utterance
+    make: Callable[[], AudioEncoder]  # a fresh encoder for one utterance
 
 
 FORMATS = {
     f.name: f
     for f in (
-        AudioFormat("pcm", "audio/pcm", Encoder),
+        AudioFormat("pcm", "audio/pcm", AudioEncoder),
         AudioFormat("wav", "audio/wav", WavEncoder),
         AudioFormat("flac", "audio/flac", lambda: SoundfileEncoder("FLAC", "PCM_16", streamed=False)),
         AudioFormat(

@@ -53,7 +53,7 @@ def _host_name(host: str) -> str:
     return host.rsplit(":", 1)[0].lower() if host.count(":") == 1 else host.lower()
 
 
-class Guard:
+class AccessGuard:
     """ASGI middleware applying the rules above to HTTP requests and WebSocket handshakes."""
 
     def __init__(self, app, config: ServerConfig):

@@ -17,18 +17,21 @@ from typing import TYPE_CHECKING
 from ..engine import Engine
 from ..errors import check_text
 from ..live import TextFeed
+from ..options import SynthesisOptions
 from ..request import Request, validate_options
-from ..sampling import SamplingOptions
 from .bodies import check_length, check_tokens, refuse_unknown
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
 from .formats import UNSUPPORTED, AudioFormat
 
 if TYPE_CHECKING:
-    from .voices import VoiceStore
+    from .store import VoiceStore
 
-ENGINE_FIELDS = ("language", "seed", "non_streaming_mode", "speed", *SamplingOptions.names())
-SESSION_FIELDS = ("voice", "instructions", *ENGINE_FIELDS)
+# Request fields: every SynthesisOptions field under its own name, but those named otherwise (OpenAI's
+# `instructions`), `voice` (a name here, resolved apart: `resolve_voice`) and `long_text` (not offered).
+RENAMED = {"instruct": "instructions"}
+ENGINE_FIELDS = tuple(n for n in SynthesisOptions.names() if n not in (*RENAMED, "voice", "long_text"))
+SESSION_FIELDS = ("voice", *RENAMED.values(), *ENGINE_FIELDS)
 SPEECH_FIELDS = ("model", "input", "response_format", "stream_format", "stream", *SESSION_FIELDS)
 STREAM_FORMATS = ("audio", "sse")
 CAPPED = {  # option -> the Limits field bounding it from above
@@ -98,8 +101,14 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
     options.setdefault("max_new_tokens", min(limits.max_new_tokens, engine.defaults.max_new_tokens))
     if check:
         resolved = {**options, "voice": resolve_voice(engine, options.get("voice"), voices)}
-        _engine_call(validate_options, engine.rules, **resolved)
+        _engine_call(lambda: validate_options(engine.runtime.caps, SynthesisOptions(**resolved)))
     return options
+
+
+def session_fields(options: SynthesisOptions) -> dict:
+    """Options as the request fields that set them (those given: not None), for a server's defaults."""
+    given = {RENAMED.get(name, name): getattr(options, name) for name in ("instruct", *ENGINE_FIELDS)}
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def prepare(
@@ -115,12 +124,13 @@ def prepare(
         check_tokens("input", len(engine.tokenizer.text_ids(text)), limits.max_input_tokens)
     resolved = {**options, "voice": resolve_voice(engine, options.get("voice"), voices)}
     request: Request = _engine_call(
-        engine.request,
-        text,
-        text_timeout=config.text_timeout,
-        text_deadline=config.text_deadline,
-        position_limit=limits.max_positions,
-        **resolved,
+        lambda: engine.request(
+            text,
+            SynthesisOptions(**resolved),
+            position_limit=limits.max_positions,
+            text_timeout=config.text_timeout,
+            text_deadline=config.text_deadline,
+        )
     )
     check_tokens("instructions", len(request.cond.instruct_ids or ()), limits.max_instructions_tokens)
     return request

@@ -6,7 +6,6 @@ both speak through the same kind of worker: one thread, one bounded queue, cance
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from starlette.requests import HTTPConnection
 
@@ -14,10 +13,8 @@ from ..engine import Engine
 from .config import ServerConfig
 from .formats import AudioFormat, available_formats
 from .metrics import ServerMetrics
+from .store import VoiceStore
 from .worker import Worker
-
-if TYPE_CHECKING:
-    from .voices import VoiceStore
 
 
 @dataclass(frozen=True)
@@ -38,8 +35,6 @@ def build_state(engine: Engine, config: ServerConfig) -> ServerState:
     """The worker (not started yet), metrics and voices of one engine. A Base (voice-clone)
     checkpoint speaks with the voices saved in `config.voices_dir` (created if missing; a ValueError
     if it cannot be); other checkpoints never touch that directory."""
-    from .voices import VoiceStore  # voices.py reads the state of a request through this module
-
     voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
     metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
     worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch)

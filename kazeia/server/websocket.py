@@ -41,7 +41,7 @@ from ..live import TextFeed
 from ..request import Request
 from .bodies import json_object, refuse_unknown
 from .errors import ApiError
-from .formats import Encoder
+from .formats import AudioEncoder
 from .params import check_length, prepare, session_options
 from .state import ServerState, server_state
 from .worker import Busy, Job, Outcome, segment_fields
@@ -236,7 +236,7 @@ class _Session:
                 await self._wake.wait()
             utterance = self.pending.popleft()
             limits = self.config.limits
-            job = Job(utterance.request, Encoder(), asyncio.get_running_loop(), utterance.accepted,
+            job = Job(utterance.request, AudioEncoder(), asyncio.get_running_loop(), utterance.accepted,
                       limits.max_buffered_bytes, limits.client_stall_s)  # fmt: skip
             try:
                 self.worker.submit(job)

@@ -36,12 +36,12 @@ from ..live import TextTimeout
 from ..request import Request
 from ..runaway import CANCELLED
 from ..scheduler import Scheduler
-from ..streaming import ChunkSchedule, Metrics, Segment, SpeechStream
-from .formats import Encoder
+from ..segment import Segment
+from ..streaming import ChunkSchedule, Metrics, SpeechStream
+from .formats import AudioEncoder
 from .metrics import ServerMetrics
 
 log = logging.getLogger("kazeia.server")
-FRAME_S = 1920 / SAMPLE_RATE  # seconds of audio per generated frame
 _ids = itertools.count(1)
 
 
@@ -106,7 +106,7 @@ class Job:
     def __init__(
         self,
         request: Request,
-        encoder: Encoder,
+        encoder: AudioEncoder,
         loop: asyncio.AbstractEventLoop,
         arrived: float | None = None,
         max_buffered: int = 8 << 20,
@@ -167,7 +167,7 @@ class Job:
             with self._room:
                 began = time.monotonic()
                 # the audio made so far, at its pace (none before the stream starts)
-                audio_s = 0.0 if self.stream is None else self.stream.frames_generated * FRAME_S / self.request.speed
+                audio_s = 0.0 if self.stream is None else self.stream.generated_s
                 whole_job = self.stall_s + audio_s - self._waited  # what the job may still wait
                 until = began + min(self.stall_s, whole_job)
                 while self._buffered > 0 and self._buffered + len(item) > self.max_buffered:

@@ -44,7 +44,7 @@ from ..request import Request
 from .bodies import check_length
 from .config import ServerConfig
 from .errors import ApiError, from_engine
-from .formats import Encoder
+from .formats import AudioEncoder
 from .params import prepare
 from .state import build_state
 from .worker import Busy, Job, Outcome
@@ -279,7 +279,7 @@ class Connection(AsyncEventHandler):
     async def _begin(self, utterance: _Utterance) -> None:
         """Queue the utterance for the worker (503 when the queue is full) and relay its audio."""
         limits = self.config.limits
-        job = Job(utterance.request, Encoder(), asyncio.get_running_loop(), utterance.arrived,
+        job = Job(utterance.request, AudioEncoder(), asyncio.get_running_loop(), utterance.arrived,
                   limits.max_buffered_bytes, limits.client_stall_s)  # fmt: skip
         try:
             self.service.worker.submit(job)

@@ -16,13 +16,13 @@ from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 
 from .. import __version__
 from ..engine import Engine
-from .bodies import json_object, refuse_unknown
+from .bodies import json_object
 from .config import ServerConfig, WyomingSettings
 from .errors import ApiError
-from .params import SESSION_FIELDS, session_options
+from .params import session_fields, session_options
 
 if TYPE_CHECKING:
-    from .voices import VoiceStore
+    from .store import VoiceStore
 
 PROGRAM = "kazeia"  # the TtsProgram's name; a request's voice.name may also name it (then: the default voice)
 DESIGN_VOICE = "designed"  # the one voice of a VoiceDesign checkpoint: the one its --instruct describes
@@ -51,10 +51,9 @@ class Catalog:
         self.languages = [lang for lang in engine.languages if lang != "auto"]
         no_voice = engine.model_type == "base" and self.default_voice() is None  # none saved yet
         try:
-            language = None if settings.language is None else self.language(settings.language)
-            body = {"language": language, "instructions": settings.instruct, "seed": settings.seed}
-            body.update(speed=settings.speed, **settings.sampling)
-            refuse_unknown(body, SESSION_FIELDS, "the server's options")
+            given = settings.options
+            language = None if given.language is None else self.language(given.language)
+            body = {**session_fields(given), "language": language}
             voice = None if no_voice else self.voice(None, None)
             options = session_options({**body, "voice": voice}, engine, config.limits, voices, check=not no_voice)
         except ApiError as error:
@@ -85,7 +84,7 @@ class Catalog:
     def default_voice(self) -> str | None:
         """The server's --voice, else the first voice listed (None: a Base checkpoint with none saved)."""
         names = self.names()
-        return self.settings.voice or (names[0] if names else None)
+        return self.settings.options.voice or (names[0] if names else None)
 
     def voice(self, name: str | None, speaker: str | None) -> str | None:
         """The voice a request names (its speaker, else its name, else the server's default), as
@@ -143,7 +142,7 @@ class Catalog:
     def _voices(self) -> list[tuple[str, str]]:
         """(name, description) of each voice."""
         if self.engine.model_type == "voice_design":
-            return [(DESIGN_VOICE, f"Designed: {self.settings.instruct}")]
+            return [(DESIGN_VOICE, f"Designed: {self.settings.options.instruct}")]
         if self.voices is not None:
             return [(e["name"], f"Cloned voice {e['name']} ({e['mode']})") for e in self.voices.entries()]
         return [(name, name.replace("_", " ").title()) for name in self.engine.voices]

@@ -16,9 +16,14 @@ and benchmark code only: needs `gguf` (MIT), which Kazeia does not depend on at 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 from torch import nn
+
+from ..engine import Engine
+from ..frame import FrameStep, voiced_cache
 
 QK_K = 256  # weights per super-block
 
@@ -164,9 +169,9 @@ def round_trip(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _unpack(model: nn.Module) -> None:
-    """oneDNN-packed products (kazeia.layers.PackedLinear, where the CPU runs them) back to plain
+    """oneDNN-packed products (kazeia.matmul.PackedLinear, where the CPU runs them) back to plain
     Linears, whose weights can be rewritten."""
-    from kazeia.layers import PackedLinear
+    from kazeia.matmul import PackedLinear
 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -198,13 +203,15 @@ def q8_k(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def apply_q4_k_m(model: nn.Module, activations: str = "q8_k") -> None:
-    """Replace, in place, every product weight of a loaded float32 TTSModel (projections fused)
+def apply_q4_k_m(engine: Engine, activations: str = "q8_k") -> None:
+    """Replace, in place, every product weight of a float32 engine's model (projections fused)
     and the text embedding by their Q4_K_M round trip; with `activations="q8_k"` every product
     also rounds its input to Q8_K first (the stacks then run their eager steps, where a module's
-    input passes through its hooks)."""
+    input passes through its hooks). The engine's frame step is made again over the changed model
+    (what it chose at load, and the voice positions it kept, no longer hold)."""
     if activations not in ("q8_k", "float"):
         raise ValueError(f"activations must be 'q8_k' or 'float', got {activations!r}")
+    model = engine.model
     _unpack(model)
     stacks = (model.talker, model.code_predictor)
     done: set[int] = set()
@@ -239,3 +246,4 @@ def apply_q4_k_m(model: nn.Module, activations: str = "q8_k") -> None:
             if isinstance(getattr(module, "weight", None), torch.Tensor) and not isinstance(module, nn.Embedding):
                 if module.weight.dim() == 2:
                     module.register_forward_pre_hook(lambda _, args: (q8_k(args[0]), *args[1:]))
+    engine.runtime = replace(engine.runtime, step=FrameStep(model, voiced_cache()))

@@ -1,0 +1,144 @@
+"""Where work runs: every decision about threads, teams, lanes and who runs a prompt.
+
+Two stages run side by side on the CPU: generation (the talker and code predictor, bound by memory
+bandwidth) and the vocoder (bound by arithmetic), each in a thread of its own with `stage_threads()`
+torch threads by default: half the cores each, so they never share a core, and batch-1 generation's
+hundreds of small parallel regions a frame never wait at a barrier for a thread that is not running
+(docs/design.md). Prompts are the exception: before a stream's first audio its vocoder has nothing
+to decode, so a prompt may take both stages' threads (`Placement.prompt_team`) while nothing else
+needs them:
+
+* outside a scheduler, a request's first prompt while the engine has no other request or stream
+  open (`first_prompt_team`, counting them with `Running`);
+* in a scheduler, a prompt while no stream's audio is being decoded and no other prompt runs;
+  several prompts waiting at once share the team (`scheduled_prompt_team`, `prompts_at_once`).
+
+The streams of a scheduler decode their audio in turns (kazeia/lanes.py): `vocoder_lanes` decodes at
+once, by default as many as fit beside generation's threads. The mechanisms live elsewhere: a
+team is applied by `cpu.team`, a lane taken through `lanes.VocoderLanes`; this module decides the
+sizes, and how many threads one of Kazeia's own products takes (`product_threads`). Non-goals:
+which product kernels a model uses (kazeia/model.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import cpu
+from .products import own_threads
+
+# Activation rows from which Kazeia's own products (int4.c, int8.c) split their weight rows over
+# the calling thread's team: a prompt's; a decoding step's few rows stay on one thread.
+SPLIT_MIN_ROWS = 8
+
+
+def product_threads(rows: int) -> int:
+    """The threads one of Kazeia's own products of `rows` activation rows takes in the calling
+    thread: its team's (`cpu.native_threads`) for a prompt's rows, else one."""
+    return cpu.native_threads() if rows >= SPLIT_MIN_ROWS else 1
+
+
+def stage_threads() -> int:
+    """torch threads per stage by default: half the CPUs this process may run on, at least one."""
+    return max(1, cpu.usable_cpus() // 2)
+
+
+def set_stage_threads(threads: int | None, device: torch.device) -> None:
+    """Give each stage `threads` torch threads (default on the CPU: `stage_threads()`); process-wide
+    (`torch.set_num_threads`). A bad count is a ValueError naming it."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
+    if threads is not None or device.type == "cpu":
+        torch.set_num_threads(threads or stage_threads())
+
+
+class Running:
+    """How many requests and open streams an engine has (a scheduler's stream counts as both):
+    `enter` counts one in, `leave` one out."""
+
+    def __init__(self) -> None:
+        self._lock, self._count = threading.Lock(), 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self._count += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._count -= 1
+
+    def count(self) -> int:
+        with self._lock:
+            return self._count
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The thread decisions of one loaded model (`for_model`)."""
+
+    stage_threads: int  # torch threads of each stage (generation, the vocoder)
+    usable_cpus: int  # the CPUs this process may run on
+    # every core of the two stages, for a prompt that has the machine to itself; None where there is
+    # no more than one stage's threads (one core, a GPU). Its `openmp` is False where Kazeia's own
+    # products split a prompt's rows themselves (int4, native int8): the two kinds of threads would
+    # fight over the cores.
+    prompt_team: cpu.Team | None
+
+    @classmethod
+    def for_model(cls, model: nn.Module, device: torch.device) -> Placement:
+        threads, usable = torch.get_num_threads(), cpu.usable_cpus()
+        prompt_threads = min(usable, 2 * threads)
+        team = None
+        if device.type == "cpu" and prompt_threads > threads:
+            team = cpu.Team(prompt_threads, not any(own_threads(m) for m in model.modules()))
+        return cls(threads, usable, team)
+
+    def first_prompt_team(self, running: Running) -> Callable[[], cpu.Team | None]:
+        """The team of a request's first prompt outside a scheduler, asked when it runs: the prompt
+        team while `running` counts this request alone, else torch's threads."""
+        return lambda: self.prompt_team if running.count() == 1 else None
+
+    def vocoder_lanes(self, lanes: int | None) -> int:
+        """Decodes of a scheduler's streams at once: `lanes`, or as many as fit beside generation's
+        threads on the usable cores (each decode taking as many), at least one."""
+        if lanes is not None:
+            return lanes
+        return max(1, (self.usable_cpus - self.stage_threads) // self.stage_threads)
+
+    def prompts_at_once(self, wanted: int | None) -> int:
+        """Prompts waiting together that a scheduler runs side by side: `wanted`, or as many as the
+        prompt team holds stages' threads (one where there is no team)."""
+        if wanted is not None:
+            if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 1:
+                raise ValueError(f"prompts_at_once must be an integer >= 1 or None, got {wanted!r}")
+            return wanted
+        team = self.prompt_team
+        if team is None or not isinstance(team.threads, int):
+            return 1
+        return max(1, team.threads // max(1, self.stage_threads))
+
+    def scheduled_prompt_team(
+        self, decoding: Callable[[], bool], together: int, running: Callable[[], int]
+    ) -> cpu.Team | None:
+        """The team of a scheduler's prompt starting now: the prompt team while no decode holds a
+        lane (`decoding()`) and no other prompt runs beside it (`together` side by side), else
+        generation's own threads, shared by the prompts running (`running()`). Where torch's
+        regions take the team it is decided once, here; where Kazeia's products do, it is asked
+        again at each product, so a prompt takes cores as they free."""
+        team = self.prompt_team
+        if team is None:
+            return None
+        if team.openmp:
+            return None if decoding() or together > 1 else team
+        alone, whole = cpu.native_threads(), team.threads
+        assert isinstance(whole, int)
+
+        def now() -> int:
+            return max(1, (alone if decoding() else whole) // max(1, running()))
+
+        return cpu.Team(now, False)
