@@ -22,6 +22,7 @@ guard's rules (runaway.py).
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -47,6 +48,7 @@ ABBREVIATIONS = frozenset(
 _TERMINATORS = ".!?…"
 _CJK_TERMINATORS = "。！？｡．"
 _CLOSERS = "\"'”’»)]}」』）】〉》"
+_OPENERS = "¿¡\"'«“‘("
 # A sentence end, the closing quotes/brackets after it, and the whitespace after those. A match
 # starts only at the first character of a run of terminators (or of spaces before a newline): from
 # inside a run it could only end where the run's first character's match ends, and trying every
@@ -171,10 +173,96 @@ def split_text(text: str, budget: int, count: Callable[[str], int]) -> list[str]
     within the budget is one piece."""
     if count(text.strip()) <= budget:
         return [text]
+    return _split(text, budget, count)
+
+
+def settled(
+    text: str,
+    ended: bool,
+    budget: int,
+    count: Callable[[str], int],
+    at_least: Callable[[str], int],
+    split: bool = False,
+) -> tuple[list[str], str, bool]:
+    """What of `split_text` of a text still arriving no continuation can change (all of it once
+    `ended`): (the first pieces, final; the start of the next piece that is certain; whether the text
+    may still be one piece). `at_least(x)`: the fewest tokens any continuation of x counts. `split`:
+    the text is what follows final pieces of a longer one (split already: never one piece).
+
+    A sentence is complete once the next one's first letter is there (what follows cannot undo the
+    boundary then). A piece closes once the sentence after it is known not to fit, or at a paragraph
+    break; until then its complete sentences are certain. A piece with none yet is certain of its
+    first sentence's complete clauses, or of the words of its first clause while they fit."""
+    if ended:
+        pieces = _split(text, budget, count) if split else split_text(text, budget, count)
+        return pieces, "", len(pieces) == 1 and not split
+    done = _complete(text)
+    rest = text[done:]
+    opened = _cut(rest, _SENTENCE_END)[0] if rest.strip() else ""  # the sentence begun after them
+    if not split and at_least(text.strip()) <= budget:  # one piece, or split: then its first paragraph's start
+        first = _cut(text[:done], _PARAGRAPH_END)[:1]
+        return [], first[0] if first else _first_unit(opened, budget, count, at_least), True
+    pieces = _split(text[:done], budget, count) if text[:done].strip() else []
+    if pieces and not _paragraph_ends_at(text, done):
+        if not opened or at_least((pieces[-1] + opened).strip()) <= budget:  # it may join the last piece
+            return pieces[:-1], pieces[-1], False
+    return pieces, _first_unit(opened, budget, count, at_least), False
+
+
+def _first_unit(sentence: str, budget: int, count: Callable[[str], int], at_least: Callable[[str], int]) -> str:
+    """What of a piece's first sentence, still arriving, is certainly in the piece: its complete
+    clauses while they fit (an oversized sentence is packed from its clauses), else the words of
+    its one clause while they fit (an oversized clause is packed from its words)."""
+    clauses = _cut(sentence, _CLAUSE_END)
+    if len(clauses) > 1:
+        complete = "".join(clauses[:-1])
+        return complete if count(complete.strip()) <= budget else ""
+    return sentence if at_least(sentence.strip()) <= budget else ""
+
+
+def resettled(
+    text: str, final: list[str], ended: bool, budget: int, count: Callable[[str], int], at_least: Callable[[str], int]
+) -> tuple[list[str], str, bool]:
+    """`settled` for a text that grew since `final` (its first pieces) was settled: the same result,
+    settling again only from the paragraph where those end (pieces never span a paragraph break,
+    and a paragraph is cut the same alone), so a long text is not settled from its start each time."""
+    ends = list(itertools.accumulate(len(piece) for piece in final))
+    breaks = {m.end() for m in _PARAGRAPH_END.finditer(text[: ends[-1]])} if final else set()
+    before = max((k + 1 for k, end in enumerate(ends) if end in breaks), default=0)  # pieces before it
+    anchor = ends[before - 1] if before else 0
+    pieces, certain, single = settled(text[anchor:], ended, budget, count, at_least, split=bool(final))
+    return final[:before] + pieces, certain, single and not final
+
+
+def _split(text: str, budget: int, count: Callable[[str], int]) -> list[str]:
+    """`split_text`'s pieces of a text over the budget: paragraphs packed from sentences."""
     pieces: list[str] = []
     for paragraph in _cut(text, _PARAGRAPH_END):
         pieces += _pack(_sentences(paragraph), budget, count, _FINER)
     return _whitespace_joined(pieces)
+
+
+def _complete(text: str) -> int:
+    """Where the complete sentences of a text still arriving end: after the last sentence or
+    paragraph boundary whose next sentence has begun (its first letter is there, so what follows
+    cannot undo the boundary); 0 where there is none."""
+    end, offset = 0, 0
+    for paragraph in _cut(text, _PARAGRAPH_END):
+        for sentence in _sentences(paragraph):
+            if offset and _begun(text[offset:]):
+                end = offset
+            offset += len(sentence)
+    return end
+
+
+def _begun(after: str) -> bool:
+    """Whether the text after a boundary holds the letter that decides it (`_ends_sentence`)."""
+    return bool(after.lstrip().lstrip(_CLOSERS + _OPENERS)[:1])
+
+
+def _paragraph_ends_at(text: str, position: int) -> bool:
+    """Whether a paragraph break ends just before `position`."""
+    return any(match.end() == position for match in _PARAGRAPH_END.finditer(text[:position]))
 
 
 def _sentences(text: str) -> list[str]:
@@ -197,12 +285,12 @@ def _ends_sentence(before: str, after: str) -> bool:
     if head[-1:] in _CJK_TERMINATORS:  # 「行こう！」と言った: a quotation the sentence goes on after
         quoted = len(head) < len(before) and before == before.rstrip()
         return not (quoted and after[:1].isalpha())
-    first = after.lstrip().lstrip(_CLOSERS + "¿¡\"'«“‘(")[:1]
+    first = after.lstrip().lstrip(_CLOSERS + _OPENERS)[:1]
     if first and (first.islower() or first.isdigit()):
         return False  # "Wait... what?", "etc. and", "z. B. das"
     if head.endswith(".") and not head.endswith(".."):
         word = head[:-1].rsplit(None, 1)[-1] if head[:-1].split() else ""
-        word = word.lstrip(_CLOSERS + "¿¡\"'«“‘(")
+        word = word.lstrip(_CLOSERS + _OPENERS)
         if len(word) == 1 and word.isalpha():
             return False  # an initial: "J. K. Rowling", "M. Dupont"
         if word.lower() in ABBREVIATIONS or _dotted_abbreviation(before, word):

@@ -18,12 +18,12 @@ from dataclasses import replace
 import torch
 
 from . import generate
-from .live import live_trailing
+from .live import LivePart, LiveParts
 from .prompt import Conditioning, Prompt, build_prompt, needs_whole_text
 from .request import Request, bounded
 from .runaway import CANCELLED, RunawayGuard
 from .runtime import Runtime
-from .segment import Part, Segment
+from .segment import TEMPLATE_IDS, Part, Segment
 from .streaming import ChunkSchedule, FrameSource, SpeechStream
 from .text import CLOSING_IDS, ROLE_IDS
 from .voices import Voice
@@ -67,63 +67,73 @@ def _segments(
     first: generate.Steps,
     steps: generate.Steps,
 ) -> Iterator[torch.Tensor | Segment]:
-    """`timeline`, the first segment's steps `first`, the others' `steps`."""
+    """`timeline`, the first segment's steps `first`, the others' `steps`. A whole text's parts are
+    planned (request.parts); a live text's come as it arrives (live.LiveParts): the same parts."""
     rate, per_frame = runtime.vocoder.cfg.sample_rate, runtime.vocoder.cfg.samples_per_frame
     start, previous = 0, None
-    for index, part in enumerate(request.parts or (None,)):
+    parts = request.parts if request.live is None else _live_parts(request, should_stop)
+    for index, part in enumerate(parts):
         made: list[torch.Tensor] = []
-        guard = None
-        runs = first if index == 0 else steps
-        if part is None:  # live text: one segment, as long as max_new_tokens allows
-            reason = yield from _kept(_live_frames(runtime, request, should_stop, runs), made)
-            text = request.live.text if request.live is not None else ""
-        else:
-            cond = _continued(request, previous)
-            with runs.exclusive():
-                prompt = build_prompt(runtime.model, part.text_ids, cond, request.non_streaming_mode)
+        guard = RunawayGuard(part.budget, request.long_text.loop_frames) if part and request.guarded else None
+        cond = _continued(request, previous)
+        prompt = None if part is None else _prompt(runtime, request, part, cond, first if index == 0 else steps)
+        reason = CANCELLED  # stopped while waiting for live text
+        if part is not None and prompt is not None:
             generator = torch.Generator(device=runtime.device).manual_seed(part.seed)
-            guard = RunawayGuard(part.budget, request.long_text.loop_frames) if request.guarded else None
+            runs = first if index == 0 else steps
             frames = generate.frames(prompt, request.options, generator, runs, should_stop, guard)
-            reason, text = (yield from _kept(frames, made)), part.text
+            reason = yield from _kept(frames, made)
+        if isinstance(part, LivePart) and reason != CANCELLED:
+            part.wait_final()  # its text, and where the next part starts
         end = start + len(made) * per_frame
-        yield Segment(index, text, start, end, reason, rate)
+        yield Segment(index, part.text if part is not None else "", start, end, reason, rate)
         if reason == CANCELLED:
             return
         looped = guard is not None and guard.looped
         start, previous = end, (None if looped else part, made)
 
 
-def _live_frames(
-    runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
-) -> Generator[torch.Tensor, None, str]:
-    prompt = _live_prompt(runtime, request, should_stop, steps)
-    if prompt is None:  # stopped while waiting for live text
-        return CANCELLED
-    generator = torch.Generator(device=runtime.device).manual_seed(request.seed)
-    return (yield from generate.frames(prompt, request.options, generator, steps, should_stop))
-
-
-def _live_prompt(
-    runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
-) -> Prompt | None:
+def _live_parts(request: Request, should_stop: Callable[[], bool] | None) -> Iterator[LivePart | None]:
+    """A live text's parts as they begin; None once when stopped while waiting for one."""
     live = request.live
     assert live is not None
     live.should_stop = should_stop
-    whole = needs_whole_text(request.cond, request.non_streaming_mode)
-    if not live.start() or not (live.wait_for_end() if whole else live.need(1)):
-        return None
-    if whole:  # all of the text goes into the prompt: it must fit the model's positions too
-        bounded(runtime.caps, request, len(live.ids))
-    ids = runtime.tokenizer.wrap_assistant(live.ids if whole else live.ids[:1])
+    options = request.options
+    parts = LiveParts(live, request.long_text, request.seed, options.max_new_tokens, request.guarded)
+    index = 0
+    while (part := parts.part(index)) is not None:
+        yield part
+        index += 1
+    if should_stop is not None and should_stop():
+        yield None
+
+
+def _prompt(
+    runtime: Runtime, request: Request, part: Part | LivePart, cond: Conditioning, steps: generate.Steps
+) -> Prompt | None:
+    """A part's prompt: all of its text for the layouts that need it whole (a live part's waited
+    for, its positions checked then), else its first token, a live part's trailing text track read
+    as it arrives; None if stopped while waiting."""
+    layout = request.non_streaming_mode
+    live = isinstance(part, LivePart) and not needs_whole_text(cond, layout)
+    if isinstance(part, Part):
+        ids = part.text_ids
+    elif not live:
+        if not part.wait_final():
+            return None
+        ids = part.text_ids
+        bounded(runtime.caps, replace(request, cond=cond), len(ids) - TEMPLATE_IDS)
+    else:
+        ids = tuple(runtime.tokenizer.wrap_assistant(part.parts.ids(part.index)[:1]))
     with steps.exclusive():
-        prompt = build_prompt(runtime.model, ids, request.cond, request.non_streaming_mode)
-    if not whole:  # the trailing text track, one token per frame as it arrives
+        prompt = build_prompt(runtime.model, ids, cond, layout)
+    if live:  # the trailing text track, one token per frame as it arrives
 
         def embed(token: int) -> torch.Tensor:
             with steps.exclusive():
                 return runtime.model.talker.embed_text(torch.tensor([[token]], device=runtime.device))
 
-        prompt.text_source = live_trailing(live, embed, prompt.eos, prompt.pad)
+        prompt.text_source = part.trailing(embed, prompt.eos, prompt.pad)  # type: ignore[union-attr]
     return prompt
 
 

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kazeia import LongTextOptions
 from kazeia.live import TextFeed, TextTimeout
 
 TEXTS = [
@@ -107,6 +108,41 @@ def test_non_streaming_layout_waits_for_the_whole_text(engines):
         engines["0.6B-custom"], iter(text.split(",")[:1] + ["," + text.split(",", 1)[1]]), non_streaming_mode=True
     )
     np.testing.assert_array_equal(stream.codes, expected.codes)
+
+
+LONG = (
+    "The first sentence is here. A second one follows it closely! Does a third one ask something? "
+    "The fourth, with a clause or two, ends this paragraph.\n\nUn autre paragraphe commence ici. "
+    "Dr. Smith paid $3.14 at 5 p.m. yesterday. 今天天气很好。我们去公园吧！"
+)
+# Segments of a few tokens, each ending by its frame budget or the token cap as well as by EOS.
+SEGMENTED = dict(long_text=LongTextOptions(segment_tokens=12, floor_frames=6, frames_per_token=1), max_new_tokens=14)
+
+
+@pytest.fixture(scope="module")
+def long_whole(engines):
+    """The long text given whole, in each layout: its codes, audio and segments."""
+    engine = engines["0.6B-custom"]
+    out = {}
+    for layout in (False, True):
+        stream = engine.stream(LONG, voice="serena", seed=5, non_streaming_mode=layout, **SEGMENTED)
+        out[layout] = stream, np.concatenate([c.audio for c in stream])
+    assert len(out[False][0].segments) >= 5  # the text is cut: the property below is about the cuts
+    return out
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.integers(0, len(LONG)), max_size=40), layout=st.booleans())
+def test_a_long_live_text_is_cut_and_spoken_as_the_whole_text(engines, long_whole, cuts, layout):
+    """Live text in segments: the same cuts, tokens, seeds and frame budgets as the whole text, so
+    the same codes, audio and segments, wherever the deltas split it."""
+    source = iter(_deltas(LONG, cuts))
+    stream = engines["0.6B-custom"].stream(source, voice="serena", seed=5, non_streaming_mode=layout, **SEGMENTED)
+    audio = np.concatenate([c.audio for c in stream])
+    expected, expected_audio = long_whole[layout]
+    np.testing.assert_array_equal(stream.codes, expected.codes)
+    assert audio.tobytes() == expected_audio.tobytes()
+    assert stream.segments == expected.segments
 
 
 def test_idle_source_times_out(engines):

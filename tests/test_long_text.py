@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kazeia import LongTextOptions, RequestError, Voice
 from kazeia.runaway import RunawayGuard, is_loop, overall
-from kazeia.segment import SEED_STEP, split_text
+from kazeia.segment import SEED_STEP, resettled, settled, split_text
 from kazeia.subtitles import srt, vtt
 
 CORPUS = {
@@ -122,6 +122,52 @@ def test_any_text_splits_back_into_itself(text, budget):
     if text.strip():
         assert all(p.strip() for p in pieces)
         assert all(len(p.strip()) <= budget for p in pieces)
+
+
+def _check_settled(text: str, budget: int, count, at_least) -> None:
+    """At every prefix of `text`, what `settled` calls final is what the whole text's split gives,
+    and what it calls certain of the next piece (but its last word, still open) starts that piece."""
+    final = split_text(text, budget, count)
+    assert settled(text, True, budget, count, at_least) == (final, "", len(final) == 1)
+    for end in range(len(text) + 1):
+        pieces, opened, single = settled(text[:end], False, budget, count, at_least)
+        assert final[: len(pieces)] == pieces, (text[:end], pieces, final)
+        words = opened.split()
+        sure = opened if not words or opened[-1].isspace() else opened[: opened.rindex(words[-1])]
+        if sure.strip():
+            assert len(final) > len(pieces) and final[len(pieces)].startswith(sure), (text[:end], opened, final)
+        if len(final) == 1:
+            assert pieces == [] and single
+        if not single:
+            assert len(final) > 1
+    # As live.LiveParts reads it: each time settled again from where its final pieces end.
+    kept: list[str] = []
+    for end in range(len(text) + 1):
+        again = resettled(text[:end], kept, False, budget, count, at_least)
+        assert again == settled(text[:end], False, budget, count, at_least)
+        kept = again[0]
+    assert resettled(text, kept, True, budget, count, at_least) == (final, "", len(final) == 1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    text=st.lists(
+        st.sampled_from(list("ab cd.!?,;:\n。！？、…'\"«»3") + ["Dr. ", "z. B. ", "3.5 ", "\n\n", " X", " q"]),
+        max_size=60,
+    ).map("".join),
+    budget=st.integers(1, 30),
+)
+def test_a_text_still_arriving_settles_only_what_its_whole_split_keeps(text, budget):
+    """Live text is cut as its whole text is: a piece is final only once no continuation can change
+    it, and the start of the next one is certain only where it is the whole text's."""
+    _check_settled(text, budget, len, len)
+
+
+@pytest.mark.parametrize("language", ["english", "french", "german", "chinese", "japanese", "paragraphs"])
+@pytest.mark.parametrize("budget", [4, 12, 40])
+def test_settled_pieces_with_the_real_tokenizer(engines, language, budget):
+    tokenizer = engines["0.6B-custom"].tokenizer
+    _check_settled(CORPUS[language], budget, _count(engines["0.6B-custom"]), tokenizer.at_least)
 
 
 LONG = (
