@@ -14,6 +14,7 @@ decision needs text that has not arrived, generation waits for it (within the te
 `TextFeed` is a thread-safe source to push deltas into (servers, callbacks); any iterable or async
 iterable of strings works as well; `LiveText` reads one within its timeouts.
 """
+
 from __future__ import annotations
 
 import asyncio
