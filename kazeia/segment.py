@@ -200,24 +200,28 @@ def settled(
     rest = text[done:]
     opened = _cut(rest, _SENTENCE_END)[0] if rest.strip() else ""  # the sentence begun after them
     if not split and at_least(text.strip()) <= budget:  # one piece, or split: then its first paragraph's start
-        first = _cut(text[:done], _PARAGRAPH_END)[:1]
-        return [], first[0] if first else _first_unit(opened, budget, count, at_least), True
+        first = _cut(text[:done], _PARAGRAPH_END)[:1]  # its complete sentences: certain if they fit as counted
+        if not first:
+            return [], _first_unit(opened, budget, count), True
+        return [], first[0] if count(first[0].strip()) <= budget else "", True
     pieces = _split(text[:done], budget, count) if text[:done].strip() else []
     if pieces and not _paragraph_ends_at(text, done):
         if not opened or at_least((pieces[-1] + opened).strip()) <= budget:  # it may join the last piece
             return pieces[:-1], pieces[-1], False
-    return pieces, _first_unit(opened, budget, count, at_least), False
+    return pieces, _first_unit(opened, budget, count), False
 
 
-def _first_unit(sentence: str, budget: int, count: Callable[[str], int], at_least: Callable[[str], int]) -> str:
+def _first_unit(sentence: str, budget: int, count: Callable[[str], int]) -> str:
     """What of a piece's first sentence, still arriving, is certainly in the piece: its complete
     clauses while they fit (an oversized sentence is packed from its clauses), else the words of
-    its one clause while they fit (an oversized clause is packed from its words)."""
+    its one clause while they fit (an oversized clause is packed from its words). The clause's
+    words are counted as they are: a lower bound (`at_least`) would let a word that does not fit
+    alone, and is split between its characters later, pass as certain."""
     clauses = _cut(sentence, _CLAUSE_END)
     if len(clauses) > 1:
         complete = "".join(clauses[:-1])
         return complete if count(complete.strip()) <= budget else ""
-    return sentence if at_least(sentence.strip()) <= budget else ""
+    return sentence if count(sentence.strip()) <= budget else ""
 
 
 def resettled(

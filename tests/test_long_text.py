@@ -163,6 +163,21 @@ def test_a_text_still_arriving_settles_only_what_its_whole_split_keeps(text, bud
     _check_settled(text, budget, len, len)
 
 
+# Pieces whose token counts are not the sum of their parts' (CJK runs, punctuation that merges,
+# abbreviations, numbers): where a lower bound on a continuation's count and the exact count of
+# what has arrived differ, a settled piece could be certain too early.
+MIXED = list("ab cd.!?,;:\n。！？、…'\"«»3-—") + [
+    *["Dr. ", "z. B. ", "3.5 ", "\n\n", " X", " q", "Hello ", "world", " — ", "，", "你好", " 12", "e.g. ", "M. "]
+]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(MIXED), max_size=40).map("".join), budget=st.integers(1, 12))
+def test_a_text_still_arriving_settles_as_the_real_tokenizer_counts(engines, text, budget):
+    tokenizer = engines["0.6B-custom"].tokenizer
+    _check_settled(text, budget, _count(engines["0.6B-custom"]), tokenizer.at_least)
+
+
 @pytest.mark.parametrize("language", ["english", "french", "german", "chinese", "japanese", "paragraphs"])
 @pytest.mark.parametrize("budget", [4, 12, 40])
 def test_settled_pieces_with_the_real_tokenizer(engines, language, budget):
