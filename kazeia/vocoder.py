@@ -6,9 +6,15 @@ chunk decoded on a `VocoderState` continues exactly where the previous chunk sto
 a code sequence into chunks gives the audio of one full decode, 1920 samples per frame, without
 recomputing earlier frames. Non-goals: the encoder (audio -> codes) and the speaker encoder.
 
-Shapes: B = batch, n = frames in a chunk, L = samples at a layer's rate, C = channels. Up to the
-upsampling, activations are channel-major (B, C, L); the SnakeBeta decoder runs time-major (B, L, C),
-the layout its convolutions are fastest in (kazeia/conv.py).
+On the CPU with kazeia/native (`prepare`), every value of every layer is computed by the same
+arithmetic in the same order whatever chunk it falls in and whatever came before the chunk
+boundary: products of fixed per-value order (conv.c's `vconv`), attention over each frame's own
+window, norms and activations value by value (vocoder.c). Any chunking then gives the bits of
+the offline decode, at any thread count. Elsewhere (eager PyTorch) chunkings agree to float
+rounding.
+
+Shapes: B = batch, n = frames in a chunk, L = positions at a layer's rate, C = channels.
+Activations are time-major (B, L, C) throughout (kazeia/conv.py).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch import nn
 from . import native
 from .checkpoint import assign, load_tensors
 from .config import VocoderConfig
-from .conv import CausalConv, SnakeBeta, TimeMajorConv, TimeMajorTransConv, TransConv, packs_best
+from .conv import CausalConv, Depthwise, SnakeBeta, Tiled, TiledLinear, TimeMajorConv, TimeMajorTransConv
 from .layers import (
     Attention,
     LayerScale,
@@ -38,6 +44,7 @@ from .layers import (
     codebook_vectors,
     fuse_projections,
     pack_linears,
+    replace_linears,
 )
 
 SEMANTIC_QUANTIZERS = 1  # codebook 0 has its own output projection (rvq_first); the others share one
@@ -56,8 +63,9 @@ class WindowCache:
     """Keys and values of the last `keep` frames of one sliding-window attention layer.
 
     Fixed shape (B, nkv, keep, hd), zeros for frames before frame 0 (masked out). Serves as the
-    cache of `layers.Attention`: `write` appends n frames and keeps the last `keep`; `view` returns
-    the keep + n frames the new queries may see, oldest first.
+    cache of `layers.Attention` (eager): `write` appends n frames and keeps the last `keep`; `view`
+    returns the keep + n frames the new queries may see, oldest first. The native attention
+    (vocoder.c's `window_attend`) reads and replaces k and v in place.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
@@ -89,22 +97,32 @@ class VocoderState:
 
 
 class Codebooks(nn.Module):
-    """`n` codebooks whose vectors are summed, then projected: codes (B, T, n) -> (B, C_out, T)."""
+    """`n` codebooks whose vectors are summed (in codebook order), then projected: codes (B, T, n)
+    -> (B, T, C_out)."""
 
     def __init__(self, n: int, size: int, dim: int, out: int):
         super().__init__()
         self.codebooks = nn.Parameter(torch.zeros(n, size, dim))
         self.output_proj = nn.Conv1d(dim, out, 1, bias=False)
+        self.native: Tiled | None = None
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         n, size, dim = self.codebooks.shape
         offsets = torch.arange(n, device=codes.device) * size
         vectors = F.embedding(codes + offsets, self.codebooks.view(n * size, dim))  # (B, T, n, dim)
-        return self.output_proj(vectors.sum(2).transpose(1, 2))
+        summed = vectors[:, :, 0]
+        for i in range(1, n):
+            summed = summed + vectors[:, :, i]
+        if self.native is not None:
+            return self.native(summed)
+        return F.linear(summed, self.output_proj.weight[..., 0])
+
+    def use_native(self, lib) -> None:
+        self.native = Tiled(lib, self.output_proj.weight.permute(0, 2, 1), None)
 
 
 class Quantizer(nn.Module):
-    """RVQ dequantization: semantic codebook plus the acoustic ones, (B, T, 16) -> (B, codebook_dim, T)."""
+    """RVQ dequantization: semantic codebook plus the acoustic ones, (B, T, 16) -> (B, T, codebook_dim)."""
 
     def __init__(self, cfg: VocoderConfig):
         super().__init__()
@@ -129,11 +147,44 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, cfg.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(dim)
         self.mlp_layer_scale = LayerScale(dim)
+        self.lib = None  # kazeia/native's library: `_native` (Vocoder.prepare)
 
-    def forward(self, h, rope, cache: WindowCache, start: int, mask: torch.Tensor) -> torch.Tensor:
-        """h (B, n, dim); mask (n, keep + n) bool."""
+    def forward(self, h, rope, cache: WindowCache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """h (B, n, dim); mask (n, keep + n) bool (eager)."""
+        if self.lib is not None:
+            return self._native(h, rope, cache, start)
         h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), rope, cache, start, mask))
         return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
+
+    def _native(self, h: torch.Tensor, rope, cache: WindowCache, start: int) -> torch.Tensor:
+        """The same layer, every value computed alone: decode.c's norm and SiLU, vocoder.c's window
+        attention, `TiledLinear` products (float32)."""
+        attn, mlp, lib = self.self_attn, self.mlp, self.lib
+        B, n, _ = h.shape
+        nq, nkv, hd = attn.heads, attn.kv_heads, attn.head_dim
+        qkv = attn.qkv_proj(_rms_norm(lib, h, self.input_layernorm))  # (B, n, (nq + 2 nkv) hd)
+        attended = h.new_empty(B, n, nq * hd)
+        cos, sin = rope
+        failed = lib.window_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache.k.data_ptr(),
+                                   cache.v.data_ptr(), attended.data_ptr(), B, n, nq, nkv, hd, cache.k.shape[2],
+                                   start)  # fmt: skip
+        if failed:
+            raise MemoryError("window_attend: out of memory")
+        h = h + self.self_attn_layer_scale(attn.o_proj(attended))
+        gate_up = mlp.gate_up_proj(_rms_norm(lib, h, self.post_attention_layernorm))  # (B, n, 2 * inner)
+        inner = gate_up.shape[-1] // 2
+        activated = h.new_empty(B, n, inner)
+        lib.silu_mul(gate_up.data_ptr(), activated.data_ptr(), B * n, inner, 0)
+        return h + self.mlp_layer_scale(mlp.down_proj(activated))
+
+
+def _rms_norm(lib, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """decode.c's RMSNorm of each row of x (..., dim), float32."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.add_rms_norm(x.data_ptr(), None, norm.weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, norm.eps, 0)
+    return out
 
 
 class Transformer(nn.Module):
@@ -147,17 +198,21 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.lib = None  # kazeia/native's library (Vocoder.prepare): every layer `Block._native`
 
     def forward(self, x: torch.Tensor, caches: list[WindowCache], start: int) -> torch.Tensor:
         """x (B, n, latent) at frames [start, start + n) -> (B, n, latent)."""
         n, keep = x.shape[1], caches[0].k.shape[2]
         rope = self.rotary.span(start, n, x.dtype, x.device)
-        mask = causal_mask(n, keep + n, keep, x.device, self.window)  # keys local: frame start-keep+j
-        mask &= torch.arange(keep + n, device=x.device)[None, :] >= keep - start  # no frames before 0
+        mask = None
+        if self.lib is None:
+            mask = causal_mask(n, keep + n, keep, x.device, self.window)  # keys local: frame start-keep+j
+            mask &= torch.arange(keep + n, device=x.device)[None, :] >= keep - start  # no frames before 0
         h = self.input_proj(x)
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, rope, cache, start, mask)
-        return self.output_proj(self.norm(h))
+        h = self.norm(h) if self.lib is None else _rms_norm(self.lib, h, self.norm)
+        return self.output_proj(h)
 
 
 class ConvNeXt(nn.Module):
@@ -165,17 +220,26 @@ class ConvNeXt(nn.Module):
 
     def __init__(self, dim: int):
         super().__init__()
-        self.dwconv = CausalConv(dim, dim, 7, groups=dim)
+        self.dwconv = Depthwise(dim, 7)
         self.norm = nn.LayerNorm(dim, eps=CONVNEXT_NORM_EPS)
         self.pwconv1 = nn.Linear(dim, 4 * dim)
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.ones(dim))
+        self.lib = None  # kazeia/native's library (Vocoder.prepare): vocoder.c's norm and GELU
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        """x (B, C, L) -> (B, C, L)."""
-        h = self.dwconv(x, state.tails).transpose(1, 2)  # (B, L, C)
-        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
-        return x + (self.gamma * h).transpose(1, 2)
+        """x (B, L, C) -> (B, L, C)."""
+        h = self.dwconv(x, state.tails)
+        if self.lib is None:
+            h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        else:
+            rows = h.shape[0] * h.shape[1]
+            self.lib.layer_norm_rows(h.data_ptr(), self.norm.weight.data_ptr(), self.norm.bias.data_ptr(),
+                                     h.data_ptr(), rows, h.shape[2], self.norm.eps)  # fmt: skip
+            h = self.pwconv1(h)  # (B, L, 4C), contiguous
+            self.lib.gelu_values(h.data_ptr(), h.numel())
+            h = self.pwconv2(h)
+        return x + self.gamma * h
 
 
 class ResidualUnit(nn.Module):
@@ -190,7 +254,7 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
         h = self.conv1(x, state.tails, act=self.act1)
-        return self.conv2(h, state.tails, act=self.act2).add_(x)  # = x + conv2(...), without a new tensor
+        return self.conv2(h, state.tails, act=self.act2, res=x)  # conv2(...) + x
 
 
 class DecoderBlock(nn.Module):
@@ -219,10 +283,10 @@ class Vocoder(nn.Module):
         self.cfg = cfg
         latent, dims = cfg.latent_dim, [cfg.decoder_dim // 2**i for i in range(len(cfg.upsample_rates) + 1)]
         self.quantizer = Quantizer(cfg)
-        self.pre_conv = CausalConv(cfg.codebook_dim, latent, 3)
+        self.pre_conv = TimeMajorConv(cfg.codebook_dim, latent, 3)
         self.pre_transformer = Transformer(cfg)
         self.upsample = nn.ModuleList(
-            nn.ModuleList([TransConv(latent, latent, r, r), ConvNeXt(latent)]) for r in cfg.upsampling_ratios
+            nn.ModuleList([TimeMajorTransConv(latent, latent, r, r), ConvNeXt(latent)]) for r in cfg.upsampling_ratios
         )
         blocks = [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
         self.decoder = nn.ModuleList(
@@ -231,8 +295,8 @@ class Vocoder(nn.Module):
         for slot, module in enumerate(self._stateful()):
             module.slot = slot
 
-    def _stateful(self) -> list[CausalConv | TransConv]:
-        return [m for m in self.modules() if isinstance(m, (CausalConv, TransConv)) and m.keep > 0]
+    def _stateful(self) -> list[CausalConv | TimeMajorTransConv]:
+        return [m for m in self.modules() if isinstance(m, (CausalConv, TimeMajorTransConv)) and m.keep > 0]
 
     @classmethod
     def load(
@@ -259,28 +323,37 @@ class Vocoder(nn.Module):
         return vocoder.eval()
 
     def prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Loaded weights into the layouts the decoder reads fastest, and the implementations
-        chosen once, here (results change by float rounding only): convolution weights stored
-        (C_out, k, C_in); on the CPU, SnakeBeta in kazeia/native where the library is there
-        (float32), and where oneDNN packs matmul weights, the transformer's and ConvNeXt's linears
-        packed as the talker's, and so are the decoder's convolutions that run fastest as products
-        on a packed weight (`conv.packs_best`: the large ones and the 1x1 ones)."""
+        """The implementation, chosen once, here. On the CPU with kazeia/native: every layer native
+        (`_use_native`), the same bits for any chunking. Otherwise eager PyTorch: convolution weights
+        stored (C_out, k, C_in), the order its convs read, and on the CPU where oneDNN packs matmul
+        weights, the transformer's and ConvNeXt's linears packed as the talker's."""
+        lib = native.library() if torch.device(device).type == "cpu" else None
+        if lib is not None:
+            self._use_native(lib)
+            return
         for module in self.modules():
             if isinstance(module, TimeMajorConv):
                 module.store_for_reading()
-        if torch.device(device).type != "cpu":
-            return
-        lib = native.library() if dtype == torch.float32 else None
-        for module in self.modules():
-            if isinstance(module, SnakeBeta):
-                module.lib = lib
-        if not can_pack(dtype):
-            return
+        if torch.device(device).type == "cpu" and can_pack(dtype):
+            fuse_projections(self.pre_transformer)
+            pack_linears(self)
+
+    @torch.no_grad()
+    def _use_native(self, lib) -> None:
+        """Every product a `Tiled` one (conv.c), every other layer vocoder.c's or decode.c's, all in
+        float32: the parameters are widened (a bfloat16 or float16 vocoder keeps its weights' values,
+        rounded to that dtype), each packed weight replaces the original (the pre-conv's stays: its
+        device and dtype stand for the vocoder's)."""
+        self.float()
         fuse_projections(self.pre_transformer)
-        pack_linears(self)
-        for module in self.decoder.modules():
-            if isinstance(module, (TimeMajorConv, TimeMajorTransConv)) and packs_best(module):
-                module.pack()
+        replace_linears(self, lambda linear: TiledLinear(lib, linear))
+        for module in list(self.modules()):
+            if isinstance(module, TimeMajorConv):
+                module.use_native(lib, keep_weight=module is self.pre_conv)
+            elif isinstance(module, (TimeMajorTransConv, Depthwise, Codebooks)):
+                module.use_native(lib)
+            elif isinstance(module, (SnakeBeta, Block, Transformer, ConvNeXt)):
+                module.lib = lib
 
     def new_state(self, batch: int = 1) -> VocoderState:
         """A fresh stream: zero conv tails, empty (zero, masked) attention windows, position 0."""
@@ -305,15 +378,15 @@ class Vocoder(nn.Module):
         n = codes.shape[1]
         if n == 0:
             return self._silence(codes.shape[0]) if batched else self._silence(1)[0]
-        x = self.quantizer(codes)  # (B, codebook_dim, n)
-        x = self.pre_conv(x, state.tails).transpose(1, 2)  # (B, n, latent)
-        x = self.pre_transformer(x, state.caches, state.position).transpose(1, 2)  # (B, latent, n)
+        x = self.quantizer(codes)  # (B, n, codebook_dim)
+        x = self.pre_conv(x, state.tails)  # (B, n, latent)
+        x = self.pre_transformer(x, state.caches, state.position)  # (B, n, latent)
         state.position += n
         for up, convnext in self.upsample:
             pause()
-            x = convnext(up(x, state.tails), state)  # (B, latent, 4n) after both stages
+            x = convnext(up(x, state.tails), state)  # (B, 4n, latent) after both stages
         pause()
-        x = self.decoder[0](x.transpose(1, 2), state.tails)  # (B, 4n, decoder_dim): time-major from here
+        x = self.decoder[0](x, state.tails)  # (B, 4n, decoder_dim)
         for block in self.decoder[1:-2]:
             pause()
             x = block(x, state, pause)  # (B, n*1920, decoder_dim/16) after the last block
