@@ -84,7 +84,7 @@ static inline vec vload_n(const float *p, int n) {
     return v;
 }
 static inline void vstore_n(float *p, vec v, int n) { memcpy(p, &v, sizeof(float) * (size_t)n); }
-static const int MR_FOR[NV_MAX + 1] = {0, 8, 4};
+static const int MR_FOR[NV_MAX + 1] = {0, 8, 6};
 #endif
 
 enum {
@@ -201,6 +201,7 @@ static inline __attribute__((always_inline)) void tile_run(const struct tile *t,
 #define TILE(mr, nv) \
     static void tile_##mr##_##nv(const struct tile *t) { tile_run(t, mr, nv); }
 #define SHAPES(nv, most) TILE(1, nv) TILE(2, nv) TILE(4, nv) TILE(most, nv)
+#define SHAPES4(nv) TILE(1, nv) TILE(2, nv) TILE(4, nv) /* MR_FOR[nv] is 4 */
 #define ROW(nv, most) {tile_1_##nv, tile_2_##nv, tile_4_##nv, tile_##most##_##nv}
 /* Per NV: tiles of 1, 2, 4 and MR_FOR[NV] positions (a block's last positions, and calls of few
    rows, take the smallest that holds them: the same sums, less work on spare rows). */
@@ -214,12 +215,12 @@ static void (*const TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, ROW(1, 16
 #elif defined(__AVX2__) && defined(__FMA__)
 SHAPES(1, 12)
 SHAPES(2, 6)
-SHAPES(3, 4)
+SHAPES4(3)
 static void (*const TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, ROW(1, 12), ROW(2, 6), ROW(3, 4)};
 #else
 SHAPES(1, 8)
-SHAPES(2, 4)
-static void (*const TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, ROW(1, 8), ROW(2, 4)};
+SHAPES(2, 6)
+static void (*const TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, ROW(1, 8), ROW(2, 6)};
 #endif
 
 /* The tile of the fewest positions, at least `rows` of them (up to MR_FOR[nv]). */
