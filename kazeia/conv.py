@@ -37,18 +37,28 @@ class Tiled(nn.Module):
     """A convolution's weight packed for conv.c's `vconv`, and its call.
 
     weight (N, taps, C_in) (output n, input row t + tap * d, channel c), bias (N,) or None; packed
-    once here, in float32 (the values as given: a bfloat16 or float16 vocoder's weights keep their
-    rounding). Every output value is one multiply-add chain over tap-major k, then + bias, then +
-    res: the same bits whatever the positions, batch or threads of a call (kazeia/native/conv.c).
+    once here. `half`: the weight's values are bfloat16 ones (a bfloat16 vocoder); where the build
+    has bfloat16 pair dot products (AVX512_BF16) they are packed so and the inputs rounded to
+    bfloat16 (`pairs`), else float32 as all others (a float16 vocoder's keep their rounding too).
+    Every output value is one multiply-add chain over tap-major k, then + bias, then + res: the same
+    bits whatever the positions, batch or threads of a call (kazeia/native/conv.c).
     """
 
-    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1):
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dilation: int = 1,
+        half: bool = False,
+    ):
         super().__init__()
         self.lib, self.dilation = lib, dilation
         self.n, self.taps, self.cin = weight.shape
+        self.pairs = int(half and bool(lib.vconv_pairs(self.cin)))
         rows = weight.detach().float().reshape(self.n, self.taps * self.cin).contiguous()
-        packed = torch.empty(lib.vconv_packed_floats(self.n, rows.shape[1]))
-        lib.vconv_pack(rows.data_ptr(), self.n, rows.shape[1], packed.data_ptr())
+        packed = torch.empty(lib.vconv_packed_bytes(self.n, rows.shape[1], self.pairs), dtype=torch.uint8)
+        lib.vconv_pack(rows.data_ptr(), self.n, rows.shape[1], self.pairs, packed.data_ptr())
         self.register_buffer("weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
@@ -64,7 +74,9 @@ class Tiled(nn.Module):
         res_strides = (0, 0) if res is None else (res.stride(0), res.stride(1))
         failed = self.lib.vconv(x.data_ptr(), x.stride(0), x.stride(1), self.weight.data_ptr(), address(self.bias),
                                 address(res), *res_strides, y.data_ptr(), y.stride(0), y.stride(1), B, L, self.cin,
-                                self.n, self.taps, self.dilation, torch.get_num_threads())  # fmt: skip
+                                self.n, self.taps, self.dilation, self.pairs, torch.get_num_threads())  # fmt: skip
+        if failed == -2:
+            raise MemoryError("vconv: out of memory")
         if failed:
             raise ValueError(f"vconv refused a ({B}, {rows}, {self.cin}) input for {tuple(self.shape)}")
         return y
@@ -77,10 +89,10 @@ class Tiled(nn.Module):
 class TiledLinear(nn.Module):
     """A Linear's product as a 1-tap `Tiled`: x (..., in) -> (..., out), float32."""
 
-    def __init__(self, lib: ctypes.CDLL, linear: nn.Linear):
+    def __init__(self, lib: ctypes.CDLL, linear: nn.Linear, half: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.tiled = Tiled(lib, linear.weight[:, None, :], linear.bias)
+        self.tiled = Tiled(lib, linear.weight[:, None, :], linear.bias, half=half)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tiled(x.reshape(1, -1, self.in_features)).view(*x.shape[:-1], self.out_features)
@@ -155,9 +167,10 @@ class TimeMajorConv(CausalConv):
             self.conv.weight = nn.Parameter(stored, requires_grad=False)
 
     @torch.no_grad()
-    def use_native(self, lib: ctypes.CDLL, keep_weight: bool = False) -> None:
-        """Run as `Tiled` from now on; conv.weight is dropped unless `keep_weight`."""
-        self.native = Tiled(lib, self.conv.weight.permute(0, 2, 1), self.conv.bias, self.conv.dilation[0])
+    def use_native(self, lib: ctypes.CDLL, half: bool = False, keep_weight: bool = False) -> None:
+        """Run as `Tiled` (`half`: see there) from now on; conv.weight is dropped unless `keep_weight`."""
+        weight = self.conv.weight.permute(0, 2, 1)  # (C_out, k, C_in)
+        self.native = Tiled(lib, weight, self.conv.bias, self.conv.dilation[0], half)
         if not keep_weight:
             self.conv.weight = None
 
@@ -209,9 +222,9 @@ class TimeMajorTransConv(nn.Module):
         return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
 
     @torch.no_grad()
-    def use_native(self, lib: ctypes.CDLL) -> None:
-        """Run as `Tiled` on the polyphase weight from now on; conv.weight is dropped."""
-        self.native = Tiled(lib, self.polyphase(), self.conv.bias.repeat(self.stride))
+    def use_native(self, lib: ctypes.CDLL, half: bool = False) -> None:
+        """Run as `Tiled` on the polyphase weight (`half`: see there) from now on; conv.weight is dropped."""
+        self.native = Tiled(lib, self.polyphase(), self.conv.bias.repeat(self.stride), half=half)
         self.conv.weight = None
 
 

@@ -33,19 +33,8 @@ from . import native
 from .checkpoint import assign, load_tensors
 from .config import VocoderConfig
 from .conv import CausalConv, Depthwise, SnakeBeta, Tiled, TiledLinear, TimeMajorConv, TimeMajorTransConv
-from .layers import (
-    Attention,
-    LayerScale,
-    RMSNorm,
-    Rotary,
-    SwiGLU,
-    can_pack,
-    causal_mask,
-    codebook_vectors,
-    fuse_projections,
-    pack_linears,
-    replace_linears,
-)
+from .layers import can_pack, codebook_vectors, fuse_projections, pack_linears, replace_linears
+from .window import Block, Transformer, WindowCache
 
 SEMANTIC_QUANTIZERS = 1  # codebook 0 has its own output projection (rvq_first); the others share one
 CONVNEXT_NORM_EPS = 1e-6
@@ -59,35 +48,11 @@ def no_pause() -> None:
     """The default `pause` of Vocoder.decode_chunk and Batch.decode_frames: go on at once."""
 
 
-class WindowCache:
-    """Keys and values of the last `keep` frames of one sliding-window attention layer.
-
-    Fixed shape (B, nkv, keep, hd), zeros for frames before frame 0 (masked out). Serves as the
-    cache of `layers.Attention` (eager): `write` appends n frames and keeps the last `keep`; `view`
-    returns the keep + n frames the new queries may see, oldest first. The native attention
-    (vocoder.c's `window_attend`) reads and replaces k and v in place.
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v  # (B, nkv, keep, hd)
-        self._k, self._v = k, v  # (B, nkv, keep + n, hd) during a call
-
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        keep = self.k.shape[2]
-        self._k = torch.cat((self.k, k), dim=2)
-        self._v = torch.cat((self.v, v), dim=2)
-        drop = self._k.shape[2] - keep
-        self.k, self.v = self._k[:, :, drop:].clone(), self._v[:, :, drop:].clone()
-
-    def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._k, self._v
-
-
 @dataclass
 class VocoderState:
     """Everything a streaming decode carries between chunks; `Vocoder.decode_chunk` updates it in place."""
 
-    tails: list[torch.Tensor]  # per stateful conv, module order: its last inputs (B, C_in, keep), zeros at start
+    tails: list[torch.Tensor]  # per stateful conv, module order: its last inputs (B, keep, C_in), zeros at start
     caches: list[WindowCache]  # per transformer layer: RoPE'd keys and values of the last window-1 frames
     position: int = 0  # frames decoded so far = RoPE position of the next frame
 
@@ -117,8 +82,8 @@ class Codebooks(nn.Module):
             return self.native(summed)
         return F.linear(summed, self.output_proj.weight[..., 0])
 
-    def use_native(self, lib) -> None:
-        self.native = Tiled(lib, self.output_proj.weight.permute(0, 2, 1), None)
+    def use_native(self, lib, half: bool = False) -> None:
+        self.native = Tiled(lib, self.output_proj.weight.permute(0, 2, 1), None, half=half)
 
 
 class Quantizer(nn.Module):
@@ -133,86 +98,6 @@ class Quantizer(nn.Module):
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         first = self.rvq_first(codes[..., :SEMANTIC_QUANTIZERS])
         return first + self.rvq_rest(codes[..., SEMANTIC_QUANTIZERS:])
-
-
-class Block(nn.Module):
-    """Pre-norm transformer layer with per-channel layer scales on both residual branches."""
-
-    def __init__(self, cfg: VocoderConfig):
-        super().__init__()
-        dim = cfg.hidden_size
-        self.self_attn = Attention(dim, cfg.num_heads, cfg.num_heads, cfg.head_dim, qk_norm_eps=None)
-        self.mlp = SwiGLU(dim, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.self_attn_layer_scale = LayerScale(dim)
-        self.mlp_layer_scale = LayerScale(dim)
-        self.lib = None  # kazeia/native's library: `_native` (Vocoder.prepare)
-
-    def forward(self, h, rope, cache: WindowCache, start: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """h (B, n, dim); mask (n, keep + n) bool (eager)."""
-        if self.lib is not None:
-            return self._native(h, rope, cache, start)
-        h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), rope, cache, start, mask))
-        return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
-
-    def _native(self, h: torch.Tensor, rope, cache: WindowCache, start: int) -> torch.Tensor:
-        """The same layer, every value computed alone: decode.c's norm and SiLU, vocoder.c's window
-        attention, `TiledLinear` products (float32)."""
-        attn, mlp, lib = self.self_attn, self.mlp, self.lib
-        B, n, _ = h.shape
-        nq, nkv, hd = attn.heads, attn.kv_heads, attn.head_dim
-        qkv = attn.qkv_proj(_rms_norm(lib, h, self.input_layernorm))  # (B, n, (nq + 2 nkv) hd)
-        attended = h.new_empty(B, n, nq * hd)
-        cos, sin = rope
-        failed = lib.window_attend(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), cache.k.data_ptr(),
-                                   cache.v.data_ptr(), attended.data_ptr(), B, n, nq, nkv, hd, cache.k.shape[2],
-                                   start)  # fmt: skip
-        if failed:
-            raise MemoryError("window_attend: out of memory")
-        h = h + self.self_attn_layer_scale(attn.o_proj(attended))
-        gate_up = mlp.gate_up_proj(_rms_norm(lib, h, self.post_attention_layernorm))  # (B, n, 2 * inner)
-        inner = gate_up.shape[-1] // 2
-        activated = h.new_empty(B, n, inner)
-        lib.silu_mul(gate_up.data_ptr(), activated.data_ptr(), B * n, inner, 0)
-        return h + self.mlp_layer_scale(mlp.down_proj(activated))
-
-
-def _rms_norm(lib, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    """decode.c's RMSNorm of each row of x (..., dim), float32."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dim = x.shape[-1]
-    lib.add_rms_norm(x.data_ptr(), None, norm.weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, norm.eps, 0)
-    return out
-
-
-class Transformer(nn.Module):
-    """latent -> hidden, sliding-window layers with RoPE at absolute frame positions, norm, -> latent."""
-
-    def __init__(self, cfg: VocoderConfig):
-        super().__init__()
-        self.window = cfg.sliding_window
-        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-        self.lib = None  # kazeia/native's library (Vocoder.prepare): every layer `Block._native`
-
-    def forward(self, x: torch.Tensor, caches: list[WindowCache], start: int) -> torch.Tensor:
-        """x (B, n, latent) at frames [start, start + n) -> (B, n, latent)."""
-        n, keep = x.shape[1], caches[0].k.shape[2]
-        rope = self.rotary.span(start, n, x.dtype, x.device)
-        mask = None
-        if self.lib is None:
-            mask = causal_mask(n, keep + n, keep, x.device, self.window)  # keys local: frame start-keep+j
-            mask &= torch.arange(keep + n, device=x.device)[None, :] >= keep - start  # no frames before 0
-        h = self.input_proj(x)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, rope, cache, start, mask)
-        h = self.norm(h) if self.lib is None else _rms_norm(self.lib, h, self.norm)
-        return self.output_proj(h)
 
 
 class ConvNeXt(nn.Module):
@@ -311,9 +196,9 @@ class Vocoder(nn.Module):
         with torch.device("meta"):
             vocoder = cls(cfg)
         path = root / "model.safetensors"
-        # Read, not memory-mapped: the decoder convs' weights are stored anew (`TimeMajorConv.
-        # store_for_reading`), and a map would keep the file's copy of them resident as well (0.2
-        # GB). The encoder's tensors (same file) are skipped, not read.
+        # Read, not memory-mapped: the weights are stored anew (packed for the native products, or
+        # in the eager convs' layout: `prepare`), and a map would keep the file's copy of them
+        # resident as well (0.2 GB). The encoder's tensors (same file) are skipped, not read.
         released = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith("encoder."))
         tensors = vocoder_tensors(released, num_quantizers=cfg.num_quantizers)
         del released
@@ -329,7 +214,7 @@ class Vocoder(nn.Module):
         weights, the transformer's and ConvNeXt's linears packed as the talker's."""
         lib = native.library() if torch.device(device).type == "cpu" else None
         if lib is not None:
-            self._use_native(lib)
+            self._use_native(lib, dtype)
             return
         for module in self.modules():
             if isinstance(module, TimeMajorConv):
@@ -339,18 +224,22 @@ class Vocoder(nn.Module):
             pack_linears(self)
 
     @torch.no_grad()
-    def _use_native(self, lib) -> None:
-        """Every product a `Tiled` one (conv.c), every other layer vocoder.c's or decode.c's, all in
-        float32: the parameters are widened (a bfloat16 or float16 vocoder keeps its weights' values,
-        rounded to that dtype), each packed weight replaces the original (the pre-conv's stays: its
+    def _use_native(self, lib, dtype: torch.dtype) -> None:
+        """Every product a `Tiled` one (conv.c), every other layer vocoder.c's or decode.c's, with
+        float32 activations: the parameters are widened (a bfloat16 or float16 vocoder keeps its
+        weights' values, rounded to that dtype; a bfloat16 one's products take bfloat16 pairs where
+        the CPU has them), each packed weight replaces the original (the pre-conv's stays: its
         device and dtype stand for the vocoder's)."""
+        half = dtype == torch.bfloat16
         self.float()
         fuse_projections(self.pre_transformer)
-        replace_linears(self, lambda linear: TiledLinear(lib, linear))
+        replace_linears(self, lambda linear: TiledLinear(lib, linear, half))
         for module in list(self.modules()):
             if isinstance(module, TimeMajorConv):
-                module.use_native(lib, keep_weight=module is self.pre_conv)
-            elif isinstance(module, (TimeMajorTransConv, Depthwise, Codebooks)):
+                module.use_native(lib, half, keep_weight=module is self.pre_conv)
+            elif isinstance(module, (TimeMajorTransConv, Codebooks)):
+                module.use_native(lib, half)
+            elif isinstance(module, Depthwise):
                 module.use_native(lib)
             elif isinstance(module, (SnakeBeta, Block, Transformer, ConvNeXt)):
                 module.lib = lib

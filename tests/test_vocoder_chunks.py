@@ -141,29 +141,35 @@ def test_a_stream_decoded_in_a_batch_has_its_own_bits(vocoders, dtype):
 
 
 # -- the product kernel alone ------------------------------------------------------------------------
-def tiled(n: int, taps: int, cin: int, dilation: int, seed: int) -> Tiled:
+def tiled(n: int, taps: int, cin: int, dilation: int, seed: int, half: bool) -> tuple[Tiled, torch.Tensor]:
+    """A random `Tiled` (its weight bfloat16 values where `half`) and its weight (n, taps, cin)."""
     gen = torch.Generator().manual_seed(seed)
-    weight, bias = torch.randn(n, taps, cin, generator=gen), torch.randn(n, generator=gen)
-    return Tiled(native.library(), weight / (taps * cin) ** 0.5, bias, dilation)
+    weight, bias = torch.randn(n, taps, cin, generator=gen) / (taps * cin) ** 0.5, torch.randn(n, generator=gen)
+    if half:
+        weight = weight.bfloat16().float()
+    return Tiled(native.library(), weight, bias, dilation, half), weight
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("n", [1, 3, 5, 16, 24, 40, 72, 96, 100, 200])
-def test_every_panel_shape_is_conv1d(n):
+def test_every_panel_shape_is_conv1d(n, half):
     """Any number of output channels (every panel width and remainder, and the dot products of
-    very few channels), batch, dilation and residual: PyTorch's conv1d within float rounding."""
-    product = tiled(n, 3, 20, 2, seed=n)
+    very few channels), batch, dilation and residual: PyTorch's conv1d within float rounding (of
+    the inputs rounded to bfloat16 where the product takes bfloat16 pairs)."""
+    product, weight = tiled(n, 3, 20, 2, seed=n, half=half)
     gen = torch.Generator().manual_seed(1)
     x, res = torch.randn(2, 4 + 37, 20, generator=gen), torch.randn(2, 37, n, generator=gen)
-    weight = torch.randn(n, 3, 20, generator=torch.Generator().manual_seed(n)) / 60**0.5
-    expected = F.conv1d(x.transpose(1, 2), weight.transpose(1, 2), product.bias, dilation=2).transpose(1, 2) + res
+    seen = x.bfloat16().float() if product.pairs and n * 4 > native.library().vconv_lanes() else x
+    expected = F.conv1d(seen.transpose(1, 2), weight.transpose(1, 2), product.bias, dilation=2).transpose(1, 2) + res
     torch.testing.assert_close(product(x, res), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("n, taps, cin, dilation", [(96, 7, 96, 9), (1, 7, 96, 1), (768, 2, 384, 1), (500, 1, 72, 1)])
-def test_a_position_does_not_depend_on_the_call(n, taps, cin, dilation):
+def test_a_position_does_not_depend_on_the_call(n, taps, cin, dilation, half):
     """A position's outputs are the same bits computed in any window of positions, in a batch with
     other rows, at any thread count (the work is split over threads from ~1 M multiply-adds each)."""
-    product = tiled(n, taps, cin, dilation, seed=7)
+    product, _ = tiled(n, taps, cin, dilation, seed=7, half=half)
     keep, length = (taps - 1) * dilation, 700
     x = torch.randn(3, keep + length, cin, generator=torch.Generator().manual_seed(8))
     before = torch.get_num_threads()
@@ -176,3 +182,12 @@ def test_a_position_does_not_depend_on_the_call(n, taps, cin, dilation):
             assert torch.equal(product(x[1:2, start : end + keep]), whole[1:2, start:end])
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_bfloat16_vocoder_takes_bfloat16_pairs_where_the_cpu_has_them(vocoders):
+    lib = native.library()
+    has_pairs = bool(lib.vconv_pairs(2))  # the build has AVX512_BF16 (KAZEIA_ISA with bf16)
+    products = [m for m in vocoders[torch.bfloat16].modules() if isinstance(m, Tiled)]
+    assert all(p.pairs == (has_pairs and p.cin % 2 == 0) for p in products)
+    others = [m for dtype in (torch.float32, torch.float16) for m in vocoders[dtype].modules() if isinstance(m, Tiled)]
+    assert not any(p.pairs for p in others)
