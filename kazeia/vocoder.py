@@ -122,7 +122,7 @@ class ConvNeXt(nn.Module):
             self.lib.layer_norm_rows(h.data_ptr(), self.norm.weight.data_ptr(), self.norm.bias.data_ptr(),
                                      h.data_ptr(), rows, h.shape[2], self.norm.eps)  # fmt: skip
             h = self.pwconv1(h)  # (B, L, 4C), contiguous
-            self.lib.gelu_values(h.data_ptr(), h.numel())
+            self.lib.gelu_rows(h.data_ptr(), rows, h.shape[2])
             h = self.pwconv2(h)
         return x + self.gamma * h
 

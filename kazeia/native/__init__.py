@@ -201,7 +201,7 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "has_float16": ([], _INT),
     "snake_beta": ([*[_P] * 4, *[_LONG] * 5, _INT], _INT),
     "layer_norm_rows": ([*[_P] * 4, _LONG, _LONG, _F], None),
-    "gelu_values": ([_P, _LONG], None),
+    "gelu_rows": ([_P, _LONG, _LONG], None),
     "depthwise_conv": ([_P, _LONG, _P, _P, _P, *[_LONG] * 4, _INT, _INT], None),
     "window_attend": ([*[_P] * 6, _LONG, _LONG, *[_INT] * 4, _LONG], _INT),
     "vconv": ([_P, _LONG, _LONG, *[_P] * 3, _LONG, _LONG, _P, *[_LONG] * 6, *[_INT] * 4], _INT),

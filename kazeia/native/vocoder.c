@@ -135,9 +135,13 @@ void layer_norm_rows(const float *x, const float *w, const float *b, float *y, l
     }
 }
 
-/* The exact GELU, x / 2 * (1 + erf(x / sqrt 2)), of `count` values in place. */
-void gelu_values(float *x, long count) {
-    for (long i = 0; i < count; i++) x[i] = x[i] * 0.5f * (1.0f + erff(x[i] * 0.70710678118654752440f));
+/* The exact GELU, x / 2 * (1 + erf(x / sqrt 2)), of `rows` rows of n values in place (row by row:
+   a value's place in its loop depends on its channel only, should a compiler vectorize erff). */
+void gelu_rows(float *x, long rows, long n) {
+    for (long r = 0; r < rows; r++) {
+        float *xr = x + r * n;
+        for (long i = 0; i < n; i++) xr[i] = xr[i] * 0.5f * (1.0f + erff(xr[i] * 0.70710678118654752440f));
+    }
 }
 
 /* Depthwise causal convolution over time-major rows: y[t][c] = sum over j of x[t + j d][c] * w[j][c]
