@@ -1,4 +1,4 @@
-"""The vocoder's sliding-window transformer (its pre-transformer): 8 pre-norm layers with layer
+"""The vocoder's sliding-window transformer (its pre-transformer): pre-norm layers with layer
 scales over the latent frames, each frame attending to itself and the frames of its window before it.
 
 Scope: `WindowCache` (the keys and values a stream carries between chunks, kazeia/vocoder.py's
