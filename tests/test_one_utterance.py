@@ -101,9 +101,13 @@ def _http_paths(url: str, text: str, options: dict) -> dict[str, bytes]:
 def _websocket_paths(engine, text: str, options: dict, cuts) -> dict[str, bytes]:
     def utterance(ws) -> bytes:
         assert ws_receive(ws)["type"] == "audio.start"
-        pcm = b""
-        while isinstance(item := ws_receive(ws), bytes):
-            pcm += item
+        pcm, segments = b"", 0
+        while isinstance(item := ws_receive(ws), bytes) or item["type"] == "audio.segment":
+            if isinstance(item, bytes):
+                pcm += item
+            else:  # a text spoken in several segments marks each end after its audio
+                assert item["index"] == segments, item
+                segments += 1
         assert item["type"] == "audio.done" and item["status"] == "completed", item
         return pcm
 

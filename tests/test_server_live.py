@@ -165,33 +165,79 @@ def test_websocket_disconnect_stops_generation_within_one_frame(live):
     assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
 
 
-def test_full_queue_is_refused_with_503_and_retry_after(live):
-    """One utterance generating and one waiting fill the queue (queue_size 1): the next is refused.
-    Streams are opened until one is refused, as the first may end before the test gets there on a
-    fast machine (149 frames, its client reads none of them)."""
+class _HeldEngine:
+    """The worker's engine, but each stream stops after its first chunk until `release` is set:
+    a job stays generating for as long as a test needs, on any machine."""
+
+    def __init__(self, engine):
+        self.engine, self.release = engine, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def stream_request(self, *args, **kwargs):
+        return _HeldStream(self.engine.stream_request(*args, **kwargs), self.release)
+
+
+class _HeldStream:
+    def __init__(self, stream, release):
+        self.stream, self.release = stream, release
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def __enter__(self):
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.stream.__exit__(*exc)
+
+    def __iter__(self):
+        for index, chunk in enumerate(self.stream):
+            yield chunk
+            if index == 0:
+                self.release.wait(30)
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition(), what
+
+
+def test_full_queue_is_refused_with_503_and_retry_after(live, monkeypatch):
+    """`max_batch` utterances generating (each held after its first chunk) and one waiting fill the
+    queue (queue_size 1): the next is refused."""
     worker = live.app.state.kazeia.worker
+    held = _HeldEngine(worker.engine)
+    monkeypatch.setattr(worker, "engine", held)
     jobs = len(worker.records)
     body = _body(response_format="pcm", **LONG)
-    with httpx.Client(base_url=live.url, timeout=30) as client, contextlib.ExitStack() as streams:
-        first = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
-        next(first.iter_bytes())  # generating
-        accepted = 1
-        while (
-            response := streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
-        ).status_code == 200:
-            accepted += 1
-            assert accepted < 6, "five utterances at once and none refused"
-        assert response.status_code == 503
-        assert worker.queue_depth == 1
-        assert int(response.headers["retry-after"]) >= 1
-        error = json.loads(response.read())["error"]
-        assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
-        streams.close()  # every client leaves
-        metrics = client.get("/metrics").text
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as client, contextlib.ExitStack() as streams:
+            for _ in range(worker.max_batch):
+                generating = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+                next(generating.iter_bytes())  # generating, and held
+            waiting = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+            assert waiting.status_code == 200 and worker.queue_depth == 1
+            with client.stream("POST", "/v1/audio/speech", json=body) as response:
+                assert response.status_code == 503
+                assert worker.queue_depth == 1
+                assert int(response.headers["retry-after"]) >= 1
+                error = json.loads(response.read())["error"]
+            assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
+            waiting, generating = list(worker._jobs.queue), list(worker._current)
+            streams.close()  # every client leaves
+            _until(lambda: all(job.cancelled for job in waiting + generating), "a job outlived its client")
+            metrics = client.get("/metrics").text
+    finally:
+        held.release.set()
     assert 'kazeia_request_errors_total{route="/v1/audio/speech",status="503"} 1' in metrics
-    _wait_for_record(worker, jobs + accepted)  # each ends once its client has gone (not at once)
+    _wait_for_record(worker, jobs + worker.max_batch + 1)
     statuses = [r.status for r in list(worker.records)[jobs:]]
-    assert len(statuses) == accepted and statuses[-2:] == ["cancelled", "cancelled"], statuses
+    assert statuses == ["cancelled"] * (worker.max_batch + 1), statuses
 
 
 def test_wav_from_the_server_reads_with_soundfile(live):
