@@ -177,6 +177,10 @@ def _say(args) -> int:
         raise ValueError(f"--subtitles {args.subtitles!r} must end in .srt or .vtt")
     if (args.text is None) == (args.text_file is None):
         raise ValueError("give the text to speak, or --text-file FILE, but not both")
+    streamed = [name for name in StreamOptions.names() if name not in SynthesisOptions.names()]
+    given = [name for name in streamed if getattr(args, name, None) is not None]
+    if given and not args.stream:
+        raise ValueError(f"--{given[0].replace('_', '-')} applies with --stream only")
     options = options_from(args, StreamOptions)  # checked before the model loads
     return say(_load(args), args, options)
 

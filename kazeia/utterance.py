@@ -1,17 +1,16 @@
-"""An utterance: a request's frames, segment after segment, and the stream that speaks them.
+"""An utterance: a request's frames, segment after segment.
 
 `timeline` yields a request's frames and, after each segment's last frame, its `Segment`: each
 segment's prompt (kazeia/prompt.py), seed and runaway guard, live text's prompt and trailing text
-track, an in-context reference carried from one segment to the next. `open_stream` wires a request
-to a `SpeechStream`: its frames from a `FrameSource` (`Alone` here, generated in the stream's own
-thread; a scheduler's, batched with other streams: kazeia/scheduler.py), its vocoder state (an ICL
-voice's primed one), its count in `runtime.running`. Everything takes a Runtime. Non-goals: the
-frame step (kazeia/frame.py), chunking and decoding (kazeia/streaming.py).
+track, an in-context reference carried from one segment to the next. `Unscheduled` is the
+`FrameSource` of a stream outside any scheduler: its frames generated in the stream's own thread,
+each step at once (a scheduler's are batched with other streams: kazeia/scheduler.py). Everything
+takes a Runtime. Non-goals: the frame step (kazeia/frame.py), chunking and decoding
+(kazeia/streaming.py).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 
@@ -24,7 +23,6 @@ from .request import Request, bounded
 from .runaway import CANCELLED, RunawayGuard
 from .runtime import Runtime
 from .segment import TEMPLATE_IDS, Part, Segment
-from .streaming import ChunkSchedule, FrameSource, SpeechStream
 from .text import CLOSING_IDS, ROLE_IDS
 from .voices import Voice
 
@@ -44,20 +42,20 @@ def timeline(
     runtime.running.enter()
     try:
         if steps is None:
-            yield from _alone(runtime, request, should_stop)
+            yield from _unscheduled(runtime, request, should_stop)
         else:
             yield from _segments(runtime, request, should_stop, steps, steps)
     finally:
         runtime.running.leave()
 
 
-def _alone(
+def _unscheduled(
     runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None
 ) -> Iterator[torch.Tensor | Segment]:
     """`_segments` with each step at once, the first prompt on the placement's team while the
     runtime counts this request alone."""
-    first = generate.Solo(runtime.step, runtime.placement.first_prompt_team(runtime.running))
-    return _segments(runtime, request, should_stop, first, generate.Solo(runtime.step))
+    first = generate.CallerSteps(runtime.step, runtime.placement.first_prompt_team(runtime.running))
+    return _segments(runtime, request, should_stop, first, generate.CallerSteps(runtime.step))
 
 
 def _segments(
@@ -76,12 +74,12 @@ def _segments(
         made: list[torch.Tensor] = []
         guard = RunawayGuard(part.budget, request.long_text.loop_frames) if part and request.guarded else None
         cond = _continued(request, previous)
-        prompt = None if part is None else _prompt(runtime, request, part, cond, first if index == 0 else steps)
+        runs = first if index == 0 else steps
+        prompt = None if part is None else _prompt(runtime, request, part, cond, runs)
         reason = CANCELLED  # stopped while waiting for live text
         if part is not None and prompt is not None:
             generator = torch.Generator(device=runtime.device).manual_seed(part.seed)
-            runs = first if index == 0 else steps
-            frames = generate.frames(prompt, request.options, generator, runs, should_stop, guard)
+            frames = generate.frames(prompt, request.sampling, generator, runs, should_stop, guard)
             reason = yield from _kept(frames, made)
         if isinstance(part, LivePart) and reason != CANCELLED:
             part.wait_final()  # its text, and where the next part starts
@@ -98,7 +96,7 @@ def _live_parts(request: Request, should_stop: Callable[[], bool] | None) -> Ite
     live = request.live
     assert live is not None
     live.should_stop = should_stop
-    options = request.options
+    options = request.sampling
     parts = LiveParts(live, request.long_text, request.seed, options.max_new_tokens, request.guarded)
     index = 0
     while (part := parts.part(index)) is not None:
@@ -158,11 +156,11 @@ def _continued(request: Request, previous: tuple[Part | None, list[torch.Tensor]
     part, made = previous
     if part is None or not made:
         return request.cond
-    context = Voice(voice.x_vector, torch.stack(made), part.text, voice.model)
+    context = Voice(voice.x_vector, torch.stack(made), part.text, voice.model)  # its frames: (n, 16) codes
     return replace(request.cond, voice=context, ref_text_ids=part.text_ids[ROLE_IDS:-CLOSING_IDS])
 
 
-class Alone:
+class Unscheduled:
     """The frames of a stream generated in its own thread, each step at once (a `FrameSource`)."""
 
     lanes = None
@@ -171,42 +169,12 @@ class Alone:
         self.runtime, self.request, self.should_stop = runtime, request, should_stop
 
     def frames(self, stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
-        """`timeline`'s, counted in `runtime.running` once, by the stream (`open_stream`)."""
+        """`timeline`'s, counted in `runtime.running` once, by the stream (`streaming.open_stream`)."""
         either = stop if self.should_stop is None else (lambda: stop() or self.should_stop())  # type: ignore[misc]
-        return _alone(self.runtime, self.request, either)
+        return _unscheduled(self.runtime, self.request, either)
 
     def pace(self, needs_frames: Callable[[], bool]) -> None:
         """Unpaced: the stream's queue bounds how far generation runs ahead."""
 
     def release(self) -> None:
         """Nothing was taken before the stream started."""
-
-
-def open_stream(
-    runtime: Runtime,
-    request: Request,
-    source: FrameSource,
-    schedule: ChunkSchedule | None = None,
-    started: float | None = None,
-) -> SpeechStream:
-    """A `SpeechStream` speaking `request`, its frames from `source`; counted in `runtime.running`
-    until it closes (its vocoder works until then)."""
-    ref = request.cond.reference_codes
-    state = None if ref is None else runtime.priming.state(ref)
-    runtime.running.enter()
-    try:
-        return SpeechStream(
-            source,
-            runtime.vocoder,
-            schedule or ChunkSchedule(),
-            request.seed,
-            time.perf_counter() if started is None else started,
-            state,
-            request.live,
-            request.speed,
-            on_close=runtime.running.leave,
-        )
-    except BaseException:  # e.g. no thread could be started: what was taken for it is given back
-        runtime.running.leave()
-        source.release()
-        raise

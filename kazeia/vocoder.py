@@ -46,7 +46,7 @@ OFFLINE_BLOCK = 32
 
 
 def no_pause() -> None:
-    """The default `pause` of Vocoder.decode_chunk and FrameStep.decode: go on at once."""
+    """The default `pause` of `Vocoder.decode_chunk`: go on at once."""
 
 
 @dataclass

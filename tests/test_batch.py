@@ -92,7 +92,7 @@ def _prefilled(engine: Engine, i: int, seed: int, frames: int):
     part = request.parts[0]
     prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
     generator = torch.Generator().manual_seed(part.seed)
-    state, codes = engine.runtime.step.prefill(prompt, request.options, generator)
+    state, codes = engine.runtime.step.prefill(prompt, request.sampling, generator)
     return state, prompt, [codes], request
 
 
@@ -314,6 +314,26 @@ def test_a_queued_stream_that_is_closed_leaves_the_queue(typed):
         first.close()
 
 
+def test_a_stream_dropped_without_closing_is_collected_and_gives_its_place_back(typed):
+    """A scheduled stream nobody closes (its consumer lost, an exception upstream) is collected
+    like any object: the scheduler keeps no reference to it, so its finalizer stops generation
+    and the place goes to the next stream."""
+    import gc
+    import weakref
+
+    engine = typed("float32")
+    with engine.scheduler(max_batch=1, max_queue=1) as scheduler:
+        dropped = scheduler.stream(TEXTS[1], voice="ryan", seed=2, max_new_tokens=400, ignore_eos=True)
+        next(iter(dropped))
+        gone = weakref.ref(dropped)
+        del dropped
+        gc.collect()
+        assert gone() is None
+        audio, codes = _speak(scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=12, ignore_eos=True))
+    solo = _speak(engine.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=12, ignore_eos=True))
+    assert np.array_equal(codes, solo[1]) and np.array_equal(audio, solo[0])
+
+
 def test_closing_the_scheduler_ends_its_streams_with_an_error(typed):
     from kazeia.scheduler import SchedulerClosed
 
@@ -507,7 +527,7 @@ def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypa
             engine.scheduler(prompts_at_once=bad)
     placement = engine.runtime.placement
     team = placement.prompt_team
-    if team is None or team.threads < 2 * placement.stage_threads:
+    if team is None or team.threads < 2 * placement.threads:
         pytest.skip("no prompt team of two stages' threads here: prompts run one at a time")
     jobs, alone = [], []
     with torch.inference_mode():
@@ -515,9 +535,9 @@ def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypa
             request = engine.request(TEXTS[i], voice="ryan", seed=i + 3, do_sample=True, max_new_tokens=8)
             part = request.parts[0]
             prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
-            jobs.append((prompt, request.options, torch.Generator().manual_seed(part.seed)))
+            jobs.append((prompt, request.sampling, torch.Generator().manual_seed(part.seed)))
             generator = torch.Generator().manual_seed(part.seed)
-            alone.append(engine.runtime.step.prefill(prompt, request.options, generator))
+            alone.append(engine.runtime.step.prefill(prompt, request.sampling, generator))
     both, seen, prefill = threading.Barrier(2, timeout=120), [], FrameStep.prefill
 
     def prefilled(self, prompt, opts, generator, given=None):

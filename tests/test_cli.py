@@ -84,6 +84,19 @@ def test_bad_input_exits_2_with_one_line(tiny_checkpoints, tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("kazeia: error: ") and err.count("\n") == 1, err
+    # The chunk schedule is a stream's: given without --stream it is refused, not ignored; a bad
+    # one is refused before the model loads (the model path does not exist).
+    say = ["say", "Hi.", "--model", model, "--voice", "serena", "-o", str(tmp_path / "x.wav")]
+    for argv, words in (
+        (say + ["--chunk-frames", "3"], "--chunk-frames applies with --stream only"),
+        (say + ["--text-timeout", "3"], "--text-timeout applies with --stream only"),
+        (say[:3] + [str(tmp_path / "missing")] + say[4:] + ["--stream", "--chunk-frames", "0"], "chunk_frames must be"),
+        (say + ["--stream", "--chunk-frames", "4", "--max-chunk-frames", "2"], "max_chunk_frames must be"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kazeia: error: ") and words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.wav").exists()
 
 
 def test_random_checkpoint_and_console_script(tmp_path):

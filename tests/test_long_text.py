@@ -343,6 +343,8 @@ def test_long_text_refusals(engines):
         engine.synthesize("Hi.", voice="ryan", long_text={"segment": False})
     with pytest.raises(RequestError, match="carry_context needs a Base checkpoint"):
         engine.synthesize("Hi.", voice="ryan", long_text=LongTextOptions(carry_context=True))
+    with pytest.raises(RequestError, match="carry_context needs a Base checkpoint"):  # live text too
+        engine.stream(iter(["Hi."]), voice="ryan", long_text=LongTextOptions(carry_context=True))
     with pytest.raises(RequestError, match="at most 1048576 are accepted"):
         engine.request("a" * (1 << 20 | 1), voice="ryan")
 
