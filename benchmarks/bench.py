@@ -488,9 +488,14 @@ def compare(args, checkpoints: Checkpoints) -> dict:
     long_frames = round(args.long_seconds * 12.5)
     # --prepared: each precision from a checkpoint `kazeia quantize` prepared for it (made before
     # the timed runs, outside any competing load).
-    sources = {d: checkpoints.prepared(d) if args.prepared else checkpoints.released for d in dtypes}
+    sources = {}
+    for dtype in dtypes:
+        try:
+            sources[dtype] = checkpoints.prepared(dtype) if args.prepared else checkpoints.released
+        except Exception as error:  # e.g. `kazeia quantize` refused it: this configuration fails
+            results[f"kazeia {dtype}"] = {"error": f"{type(error).__name__}: {error}"}
     with competing(args.contend):
-        for dtype in dtypes:
+        for dtype in sources:
             results[f"kazeia {dtype}"] = spawn(
                 "kazeia", sources[dtype], dtype, args.frames, args.threads, args.repeats, long_frames,
                 args.max_chunk_frames,
@@ -498,7 +503,8 @@ def compare(args, checkpoints: Checkpoints) -> dict:
         if args.reference:
             path = checkpoints.released
             results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads, args.repeats)
-    return results
+    order = [f"kazeia {d}" for d in dtypes] + ["reference float32"] * args.reference
+    return {name: results[name] for name in order}
 
 
 if __name__ == "__main__":
