@@ -1,4 +1,8 @@
-"""A real uvicorn on 127.0.0.1: the official OpenAI client, streaming, disconnects, a full queue."""
+"""A real uvicorn on 127.0.0.1: the official OpenAI client, streaming, disconnects, a full queue.
+
+Tests that need an utterance to be still under way (audio arriving while it is generated, a
+client that leaves, a full queue) hold the worker at a gate (`HeldJobs`) rather than count on the
+machine being slow enough: the utterance cannot end before the test lets it or cancels it."""
 
 import contextlib
 import io
@@ -15,6 +19,7 @@ import soundfile as sf
 from server_support import (
     FRAME_BYTES,
     HEADER_BYTES,
+    HeldJobs,
     LiveServer,
     assert_pcm_close,
     offline_pcm,
@@ -64,14 +69,17 @@ def _wait_for_record(worker, job_count: int):
 
 def test_openai_client_streams_a_valid_wav(live, engines, tmp_path):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0)
+    # timeout: the first piece must come while the rest is held
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0, timeout=60)
     options = {"seed": 17, "max_new_tokens": 20, "ignore_eos": True, "language": "english"}
-    with client.audio.speech.with_streaming_response.create(
-        model="tiny-custom", voice="serena", input=TEXT, response_format="wav", extra_body=options
-    ) as response:
+    request = dict(model="tiny-custom", voice="serena", input=TEXT, response_format="wav", extra_body=options)
+    with HeldJobs() as gate, client.audio.speech.with_streaming_response.create(**request) as response:
         assert response.headers["content-type"] == "audio/wav"
-        pieces = list(response.iter_bytes())
-    assert len(pieces) > 1  # it arrived in pieces, as generated
+        stream = response.iter_bytes()
+        gate.wait_held()
+        pieces = [next(stream)]  # it arrives in pieces, as generated: this one before the rest exists
+        gate.release()
+        pieces += list(stream)
     data = b"".join(pieces)
     (tmp_path / "openai.wav").write_bytes(data)
     audio, rate = sf.read(tmp_path / "openai.wav", dtype="int16")
@@ -116,13 +124,15 @@ def test_openai_client_sse_and_errors(live):
 
 def test_audio_arrives_while_it_is_generated(live):
     worker = live.app.state.kazeia.worker
-    with httpx.Client(base_url=live.url, timeout=30) as client:
+    with HeldJobs() as gate, httpx.Client(base_url=live.url, timeout=30) as client:
         with client.stream("POST", "/v1/audio/speech", json=_body(response_format="wav", **LONG)) as response:
             received = b""
             pieces = response.iter_bytes()
-            while len(received) <= HEADER_BYTES:
+            while len(received) <= HEADER_BYTES:  # comes while the worker is held after its first chunk
                 received += next(pieces)
-            assert worker.active == 1  # the first audio is here and generation goes on
+            gate.wait_held()
+            assert worker.active == 1  # the first audio is here and the utterance goes on
+            gate.release()
             received += b"".join(pieces)
     assert len(streamed_wav_pcm(received)) == 149 * FRAME_BYTES
 
@@ -130,10 +140,10 @@ def test_audio_arrives_while_it_is_generated(live):
 def test_client_disconnect_stops_generation_within_one_frame(live):
     worker = live.app.state.kazeia.worker
     jobs = len(worker.records)
-    with httpx.Client(base_url=live.url, timeout=30) as client:
+    with HeldJobs(), httpx.Client(base_url=live.url, timeout=30) as client:  # it cannot end before the client leaves
         with client.stream("POST", "/v1/audio/speech", json=_body(response_format="pcm", **LONG)) as response:
             next(response.iter_bytes())
-    record = _wait_for_record(worker, jobs + 1)
+        record = _wait_for_record(worker, jobs + 1)
     assert record.status == "cancelled"
     assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
 
@@ -142,10 +152,10 @@ def test_a_whole_response_client_that_leaves_stops_generation(live):
     """`stream: false` sends nothing before the end, so the server polls for a client that left."""
     worker = live.app.state.kazeia.worker
     jobs = len(worker.records)
-    with httpx.Client(base_url=live.url, timeout=0.5) as client:
+    with HeldJobs(), httpx.Client(base_url=live.url, timeout=0.5) as client:  # held: no answer before it leaves
         with pytest.raises(httpx.ReadTimeout):  # leaves while the whole answer is being made
             client.post("/v1/audio/speech", json=_body(response_format="pcm", stream=False, **LONG))
-    record = _wait_for_record(worker, jobs + 1)
+        record = _wait_for_record(worker, jobs + 1)
     assert record.status == "cancelled" and record.frames < 149
 
 
@@ -154,90 +164,46 @@ def test_websocket_disconnect_stops_generation_within_one_frame(live):
 
     worker = live.app.state.kazeia.worker
     jobs = len(worker.records)
-    with connect(live.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
-        ws.send('{"type": "session.update", "session": {"voice": "eric", "ignore_eos": true, "max_new_tokens": 150}}')
-        assert '"session.updated"' in ws.recv(timeout=10)
-        ws.send('{"type": "input_text", "text": "Goodbye."}')
-        assert '"audio.start"' in ws.recv(timeout=10)
-        assert isinstance(ws.recv(timeout=10), bytes)
-    record = _wait_for_record(worker, jobs + 1)
+    with HeldJobs():  # the utterance cannot end before its client leaves
+        with connect(live.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            session = {"voice": "eric", "ignore_eos": True, "max_new_tokens": 150}
+            ws.send(json.dumps({"type": "session.update", "session": session}))
+            assert '"session.updated"' in ws.recv(timeout=10)
+            ws.send('{"type": "input_text", "text": "Goodbye."}')
+            assert '"audio.start"' in ws.recv(timeout=10)
+            assert isinstance(ws.recv(timeout=10), bytes)
+        record = _wait_for_record(worker, jobs + 1)
     assert record.status == "cancelled"
     assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
 
 
-class _HeldEngine:
-    """The worker's engine, but each stream stops after its first chunk until `release` is set:
-    a job stays generating for as long as a test needs, on any machine."""
-
-    def __init__(self, engine):
-        self.engine, self.release = engine, threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def stream_request(self, *args, **kwargs):
-        return _HeldStream(self.engine.stream_request(*args, **kwargs), self.release)
-
-
-class _HeldStream:
-    def __init__(self, stream, release):
-        self.stream, self.release = stream, release
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-    def __enter__(self):
-        self.stream.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.stream.__exit__(*exc)
-
-    def __iter__(self):
-        for index, chunk in enumerate(self.stream):
-            yield chunk
-            if index == 0:
-                self.release.wait(30)
-
-
-def _until(condition, what: str) -> None:
-    deadline = time.monotonic() + 20
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert condition(), what
-
-
-def test_full_queue_is_refused_with_503_and_retry_after(live, monkeypatch):
-    """`max_batch` utterances generating (each held after its first chunk) and one waiting fill the
-    queue (queue_size 1): the next is refused."""
+def test_full_queue_is_refused_with_503_and_retry_after(live):
+    """`max_batch` utterances generating (each held after its first audio) and one waiting fill the
+    queue (queue_size 1): the next is refused, and every one ends cancelled when its client leaves."""
     worker = live.app.state.kazeia.worker
-    held = _HeldEngine(worker.engine)
-    monkeypatch.setattr(worker, "engine", held)
-    jobs = len(worker.records)
+    jobs, places = len(worker.records), worker.max_batch
     body = _body(response_format="pcm", **LONG)
-    try:
-        with httpx.Client(base_url=live.url, timeout=30) as client, contextlib.ExitStack() as streams:
-            for _ in range(worker.max_batch):
-                generating = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
-                next(generating.iter_bytes())  # generating, and held
-            waiting = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
-            assert waiting.status_code == 200 and worker.queue_depth == 1
-            with client.stream("POST", "/v1/audio/speech", json=body) as response:
-                assert response.status_code == 503
-                assert worker.queue_depth == 1
-                assert int(response.headers["retry-after"]) >= 1
-                error = json.loads(response.read())["error"]
-            assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
-            waiting, generating = list(worker._jobs.queue), list(worker._current)
-            streams.close()  # every client leaves
-            _until(lambda: all(job.cancelled for job in waiting + generating), "a job outlived its client")
-            metrics = client.get("/metrics").text
-    finally:
-        held.release.set()
+    with HeldJobs(), httpx.Client(base_url=live.url, timeout=30) as client, contextlib.ExitStack() as streams:
+        readers = []  # kept: a reader that is dropped closes its response (its client leaves)
+        for _ in range(places):
+            response = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+            assert response.status_code == 200
+            readers.append(response.iter_bytes())
+            next(readers[-1])  # its first audio: a serving thread has it, and is held there
+        waiting = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+        assert waiting.status_code == 200 and worker.queue_depth == 1  # no serving thread is free
+        response = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+        assert response.status_code == 503
+        assert worker.queue_depth == 1 and worker.active == places + 1
+        assert int(response.headers["retry-after"]) >= 1
+        error = json.loads(response.read())["error"]
+        assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
+        streams.close()  # every client leaves
+        metrics = client.get("/metrics").text
+        _wait_for_record(worker, jobs + places + 1)  # each ends once its client has gone (not at once)
     assert 'kazeia_request_errors_total{route="/v1/audio/speech",status="503"} 1' in metrics
-    _wait_for_record(worker, jobs + worker.max_batch + 1)
     statuses = [r.status for r in list(worker.records)[jobs:]]
-    assert statuses == ["cancelled"] * (worker.max_batch + 1), statuses
+    assert statuses == ["cancelled"] * (places + 1), statuses
 
 
 def test_wav_from_the_server_reads_with_soundfile(live):
@@ -286,11 +252,14 @@ def test_a_client_that_takes_a_chunk_now_and_then_is_cancelled():
                 taken.append(item)
                 await asyncio.sleep(0.2)
 
+        async def producer_done() -> None:  # the worker's side ends once cancelled, or after all 20
+            while producer.is_alive():
+                await asyncio.sleep(0.05)
+
         producer = threading.Thread(target=lambda: [job.put(b"x" * 100) for _ in range(20)], daemon=True)
         consumer = loop.create_task(trickle())
         producer.start()
-        loop.run_until_complete(asyncio.sleep(1.5))
-        producer.join(5)
+        loop.run_until_complete(asyncio.wait_for(producer_done(), 60))
         consumer.cancel()
         loop.run_until_complete(asyncio.gather(consumer, return_exceptions=True))
     finally:

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
-from server_support import FRAME_BYTES, assert_pcm_close, offline_pcm
+from server_support import FRAME_BYTES, HeldJobs, assert_pcm_close, offline_pcm
 from server_support import ws_receive as receive
 
 from kazeia.server import Limits, ServerConfig, create_app
@@ -103,10 +103,13 @@ def test_errors_leave_the_socket_and_session_usable(client):
 
 
 def test_cancel_stops_the_utterance_and_drops_the_queued_ones(client, app):
-    with client.websocket_connect(ROUTE) as ws:
+    """The first utterance is held after its first audio (`HeldJobs`): it is still being spoken
+    when the next texts come and when `cancel` does, however fast the machine."""
+    with HeldJobs() as gate, client.websocket_connect(ROUTE) as ws:
         update(ws, voice="aiden", ignore_eos=True, max_new_tokens=80)
         ws.send_json({"type": "input_text", "text": "A long one."})
         assert receive(ws)["type"] == "audio.start"
+        gate.wait_held()
         for text in ("Queued.", "Also queued.", "One too many."):
             ws.send_json({"type": "input_text", "text": text})
         while isinstance(event := receive(ws), bytes):
