@@ -63,20 +63,20 @@ def peak_rss_gb() -> float:
 
 # -- workers (run in a subprocess each) ----------------------------------------------------------
 class StepTimes:
-    """Seconds spent in the frame loop's steps, measured by wrapping them from outside (in
-    kazeia.generate, where `frames()` looks them up): `prefill` and `decode_frame` without the code
-    predictor's 15 steps inside them, and those (`predict_codes`) on their own."""
+    """Seconds spent in the frame loop's steps, measured by wrapping the methods of
+    `kazeia.frame.FrameStep` from outside: the prompt (`prefill`) and each frame (`decode_frame`)
+    without the code predictor's 15 steps inside them, and those (`predict_codes`) on their own."""
 
-    STEPS = ("prefill", "decode_frame", "predict_codes")
+    STEPS = {"prefill": "prefill", "decode_frame": "decode", "predict_codes": "_predict"}  # name -> method
 
     def __init__(self):
         self.seconds = dict.fromkeys(self.STEPS, 0.0)
 
     @contextlib.contextmanager
     def installed(self):
-        from kazeia import generate
+        from kazeia.frame import FrameStep
 
-        originals = {name: getattr(generate, name) for name in self.STEPS}
+        originals = {name: getattr(FrameStep, method) for name, method in self.STEPS.items()}
         inner = [0.0]  # time of wrapped calls made inside the current one
 
         def timed(name, fn):
@@ -93,12 +93,12 @@ class StepTimes:
             return wrapper
 
         for name, fn in originals.items():
-            setattr(generate, name, timed(name, fn))
+            setattr(FrameStep, self.STEPS[name], timed(name, fn))
         try:
             yield self
         finally:
             for name, fn in originals.items():
-                setattr(generate, name, fn)
+                setattr(FrameStep, self.STEPS[name], fn)
 
 
 def continuity(stream) -> float:

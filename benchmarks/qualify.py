@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, prepared_checkpoint
+from common import Checkpoints, add_checkpoint_options, machine
 
 RATE, WIDTH = 24000, 2  # the server's pcm: 16-bit mono at 24 kHz
 BUFFERS = (0.1, 0.25, 0.5, 1.0)  # seconds of audio a player holds before it starts
@@ -184,8 +184,7 @@ def _chart(levels: list[Level], path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="a checkpoint directory (default: the real-size random one, prepared)")
-    parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    add_checkpoint_options(parser)
     parser.add_argument("--dtype", default="int4")
     parser.add_argument("--vocoder-dtype", default="float32")
     parser.add_argument("--levels", default="1,2,3,4", help="numbers of clients, comma-separated")
@@ -197,22 +196,22 @@ def main() -> int:
     parser.add_argument("--png", help="draw first audio and stalls against clients here")
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args()
-    model = Path(args.model) if args.model else prepared_checkpoint(args.size, args.dtype)
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "kazeia-qualify-server.log"
-    server = _serve(model, args, args.port, log)
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     url = f"http://127.0.0.1:{args.port}"
     body = {"input": TEXT, "voice": "serena", "response_format": "pcm", "ignore_eos": True}
     body["max_new_tokens"] = args.frames + 1
-    try:
-        measure(url, 1, 1, body)  # warm-up: the first request's one-off costs are not a level's
-        levels = [measure(url, int(c), args.requests, body) for c in args.levels.split(",")]
-    finally:
-        for process in (busy, server):
-            if process is not None:
-                process.terminate()
-                process.wait(30)
-    print(f"# {machine()['cpu']}; {args.size} {args.dtype}, vocoder {args.vocoder_dtype}, max-batch "
+    with Checkpoints(args) as checkpoints:
+        server = _serve(checkpoints.prepared(args.dtype), args, args.port, log)
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
+        try:
+            measure(url, 1, 1, body)  # warm-up: the first request's one-off costs are not a level's
+            levels = [measure(url, int(c), args.requests, body) for c in args.levels.split(",")]
+        finally:
+            for process in (busy, server):
+                if process is not None:
+                    process.terminate()
+                    process.wait(30)
+    print(f"# {machine()['cpu']}; {checkpoints.label}; {args.dtype}, vocoder {args.vocoder_dtype}, max-batch "
           f"{args.max_batch}, {args.frames}-frame answers{', one busy neighbour' if args.busy else ''}")  # fmt: skip
     head = "C  answers errors  ttfa_p50  ttfa_p95  headers  audio/s  safe_buffer  " + "  ".join(
         f"stall@{b * 1000:g}ms" for b in BUFFERS

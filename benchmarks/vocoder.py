@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import CACHE, machine
+from common import CACHE, machine, real_checkpoint
 
 from kazeia import cpu
 from kazeia.config import VocoderConfig
@@ -80,12 +80,13 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=64, help="frames decoded per measurement")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random vocoder: checks that the script runs")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     dtype = getattr(torch, args.dtype)
 
-    path = speech_tokenizer()
+    path = real_checkpoint("0.6B", "custom_voice", tiny=True) / "speech_tokenizer" if args.tiny else speech_tokenizer()
     vocoders = {"this": Vocoder.load(path, dtype=dtype)}
     if args.baseline:
         vocoders["baseline"] = baseline_vocoder(args.baseline.resolve()).load(path, dtype=dtype)

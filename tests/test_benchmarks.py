@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,14 @@ PRECISIONS = ["float32", "bfloat16", "float16", "int8", "int4"]
 CONFIGS = [*PRECISIONS, "int8/bfloat16"]  # and a reduced vocoder
 QUALITY = ["bfloat16", "float16", "int8", "int4", "q4_k_m", "q4_k_m/exact", "bfloat16/bfloat16"]
 TINY = ["--tiny", "--size", "0.6B"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "bench.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2", "--repeats", "1", "--long-seconds", "0.24",
                  "--reference"],
@@ -39,6 +48,9 @@ SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "burst.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2", "--rounds", "1", "--streams", "2"],
     "speed.py": [*TINY, "--speeds", "1.5", "--clips", "en", "--frames", "4"],
     "gemv.py": ["--tiny", "--dtypes", ",".join(PRECISIONS)],
+    "vocoder.py": ["--tiny", "--frames", "4", "--rounds", "1", "--chunks", "1,3", "--threads", "1,2"],
+    "qualify.py": [*TINY, "--dtype", "int8", "--levels", "1,2", "--requests", "1", "--frames", "3", "--port",
+                   str(free_port())],
 }  # fmt: skip
 
 
@@ -160,6 +172,22 @@ def test_speed(runs):
     out = ran(runs["speed.py"].result())
     assert "| 1.5 | kazeia |" in out and "| 1.5 | librosa phase vocoder |" in out, out
     assert "ms per frame (1 thread)" in out and "speed 1.5:" in out
+
+
+def test_vocoder(runs):
+    out = ran(runs["vocoder.py"].result())
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [row[:2] for row in rows] == [["1", "1"], ["1", "3"], ["2", "1"], ["2", "3"]], out
+    assert all(len(numbers(row)) == 4 for row in rows), out
+    assert "the same bits at every chunk size and thread count: True" in out, out
+
+
+def test_qualify(runs):
+    pytest.importorskip("fastapi")
+    out = ran(runs["qualify.py"].result())
+    levels = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert [(row[0], row[1], row[2]) for row in levels] == [("1", "1", "0"), ("2", "2", "0")], out
+    assert "C_max = " in out and "int8" in out, out
 
 
 def test_a_failed_configuration_fails_the_script_after_the_others(runs):
