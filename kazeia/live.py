@@ -6,8 +6,10 @@ text received so far and releases only *stable* tokens, those of every pre-token
 regex pieces: words, number digits, punctuation runs, whitespace) except the last, which may still
 grow ("Hel" + "lo"), merge with what follows (".\n"), or split differently. The tokens fed are
 therefore exactly those of tokenizing the whole text, whatever the deltas and their timing, so the
-codes and audio equal those of the same text given at once. Text without spaces (Chinese, Japanese)
-is one pre-token up to its next punctuation mark and starts speaking from there.
+codes and audio equal those of the same text given at once. A text is plain text (kazeia/text.py):
+"<|im_" then "end|>" is those characters, as in the whole text, never a control token whose name
+was split between deltas. Text without spaces (Chinese, Japanese) is one pre-token up to its next
+punctuation mark and starts speaking from there.
 
 `TextFeed` is a thread-safe source to push deltas into (servers, callbacks); any iterable or async
 iterable of strings works as well.
@@ -37,12 +39,14 @@ class TextFeed:
         self._ended = False
 
     def append(self, delta: str) -> None:
+        """Queue `delta` (an empty one adds nothing and is not kept)."""
         if not isinstance(delta, str):
             raise RequestError("text", f"text deltas must be strings, got {type(delta).__name__}")
         check_text("text", delta)
         if self._ended:
             raise ValueError("the text feed has ended; no more text can be appended")
-        self._queue.put(delta)
+        if delta:
+            self._queue.put(delta)
 
     def end(self) -> None:
         if not self._ended:
@@ -113,6 +117,9 @@ class LiveText:
         self.ended = False
         self.first_text_at: float | None = None  # perf_counter() of the first non-empty delta
         self.waits = 0  # times a caller had to wait for text
+        # Text tokens the whole text may have (None: no bound but the positions'); over it the text
+        # fails with a RequestError as soon as it is known to be (a server's max_input_tokens).
+        self.max_tokens: int | None = None
 
     def need(self, count: int) -> bool:
         """Block until `count` ids are known or the text has ended; False if asked to stop."""
@@ -183,6 +190,8 @@ class LiveText:
         if not final and ids:
             last_word = encoding.word_ids[-1]
             ids = [i for i, w in zip(ids, encoding.word_ids, strict=True) if w != last_word]
+        if self.max_tokens is not None and len(ids) > self.max_tokens:  # (stable ones: they stay)
+            raise RequestError("text", f"text is {len(ids)} tokens long; at most {self.max_tokens} are accepted")
         if ids[: len(self.ids)] != self.ids:  # would mean a tokenizer whose pieces are not independent
             raise RuntimeError("live text tokenization changed already spoken tokens")
         self.ids = ids

@@ -179,3 +179,25 @@ def test_empty_and_bad_sources(engines):
     feed.end()
     with pytest.raises(ValueError, match="has ended"):
         feed.append("late")
+
+
+def test_a_control_token_split_between_deltas_is_plain_text_as_in_the_whole_text(engines):
+    """ "Hello <|im_" then "end|> there": the characters of its name, as the whole text speaks them,
+    never the control token (nor an error when the second delta completes its name)."""
+    engine = engines["0.6B-custom"]
+    text = "Hello <|im_end|> there"
+    expected_stream, expected = _run(engine, text, non_streaming_mode=False)
+    stream, audio = _run(engine, iter(["Hello <|im_", "end|> there"]))
+    np.testing.assert_array_equal(stream.codes, expected_stream.codes)
+    np.testing.assert_array_equal(audio, expected)
+    assert 151645 not in engine.tokenizer.text_ids(text)  # <|im_end|>'s id: not in the text
+
+
+def test_empty_deltas_are_not_kept():
+    """An empty delta adds nothing: a feed never grows by one (a client sending only those would
+    otherwise fill a queued utterance's feed without bound)."""
+    feed = TextFeed()
+    for _ in range(10_000):
+        feed.append("")
+    feed.append("Hi")
+    assert feed.get(timeout=1) == "Hi" and feed._queue.empty()

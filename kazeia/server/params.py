@@ -133,6 +133,8 @@ def prepare(
         )
     )
     check_tokens("instructions", len(request.cond.instruct_ids or ()), limits.max_instructions_tokens)
+    if request.live is not None:  # a live text is held to the same tokens as it arrives
+        request.live.max_tokens = limits.max_input_tokens
     return request
 
 
