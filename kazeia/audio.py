@@ -24,6 +24,9 @@ MIN_RATE, MAX_RATE = 8000, 192000  # Hz
 MAX_CHANNELS = 8
 MAX_DECODED_BYTES = 64 << 20  # float32 samples of all channels before mixing down (60 s at 192 kHz mono: 44 MiB)
 SILENCE_PEAK = 1e-3  # a reference whose peak stays below this (-60 dBFS) is treated as silence
+# Float audio lies in [-1, 1]; a little over is clipping, far over (1e20 in a float WAV) is no audio,
+# and would make the speaker encoder's embedding overflow to NaN.
+MAX_PEAK = 16.0
 
 
 def pcm16(audio: np.ndarray) -> bytes:
@@ -64,7 +67,7 @@ def load_reference_audio(source, sample_rate: int = SAMPLE_RATE, max_seconds: fl
     librosa. Before any sample is decoded or resampled, the header (or the array's shape) is held
     to MIN_RATE..MAX_RATE Hz, MAX_CHANNELS channels, `max_seconds` and MAX_DECODED_BYTES. Raises
     ValueError naming the value and the limit, and for unreadable, empty, non-finite, too short (<
-    MIN_REFERENCE_S) or silent (peak < SILENCE_PEAK) audio.
+    MIN_REFERENCE_S), silent (peak < SILENCE_PEAK) or absurdly loud (peak > MAX_PEAK) audio.
     """
     if isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float)) or not max_seconds > 0:
         raise ValueError(f"max_seconds must be a number > 0, got {max_seconds!r}")
@@ -80,8 +83,14 @@ def load_reference_audio(source, sample_rate: int = SAMPLE_RATE, max_seconds: fl
         raise ValueError(
             f"reference audio {name} is too short: {audio.size / rate:.2f} s, need at least {MIN_REFERENCE_S:g} s"
         )
-    if np.max(np.abs(audio)) < SILENCE_PEAK:
+    peak = float(np.max(np.abs(audio)))
+    if peak < SILENCE_PEAK:
         raise ValueError(f"reference audio {name} is silent (peak below {SILENCE_PEAK:g})")
+    if peak > MAX_PEAK:
+        raise ValueError(
+            f"reference audio {name} has samples of magnitude {peak:.3g}; audio samples lie in [-1, 1] "
+            f"(at most {MAX_PEAK:g} is accepted)"
+        )
     return resample(audio, rate, sample_rate)
 
 
