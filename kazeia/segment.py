@@ -87,6 +87,14 @@ class LongTextOptions(Described):
         """Frames a segment of `text_tokens` text tokens may take before the guard stops it."""
         return self.floor_frames + self.frames_per_token * text_tokens
 
+    def text_budget(self, text_tokens: int) -> int:
+        """Frames a whole text of `text_tokens` tokens may take in all, however it is cut: the
+        segment budgets of that text in segments half full (two consecutive segments of one
+        paragraph never fit one budget together), plus one. Texts of many short paragraphs (each
+        its own segment) have their segments' budgets scaled down to it (`plan`)."""
+        segments = 2 * -(-text_tokens // self.segment_tokens) + 1
+        return self.floor_frames * segments + self.frames_per_token * text_tokens
+
 
 TEMPLATE_IDS = ROLE_IDS + CLOSING_IDS  # the assistant template's ids around a text's tokens
 SEED_STEP = 0x9E3779B97F4A7C15  # segment k speaks with seed + k * SEED_STEP (mod MAX_SEED): distinct, reproducible
@@ -118,19 +126,43 @@ def plan(
     """The parts of `text` (its assistant template's ids `text_ids`): one for a text within the
     budget or with segmentation off, else its `split_text` pieces (counted in text tokens), each
     with its template's ids, its seed and, when `guarded`, its frame budget (None where
-    max_new_tokens comes first)."""
+    max_new_tokens comes first).
+
+    A request's frames are bounded by its text, whatever its options: at most the larger of
+    `max_new_tokens - 1` (one generation) and `long_text.text_budget` of the whole text. Guarded
+    segments whose budgets add up to more have them scaled down to it; unguarded ones (ignore_eos,
+    or the guard off), each allowed max_new_tokens - 1 frames, are refused (a RequestError naming
+    max_new_tokens) when that many segments could make more."""
     texts = [text]
     if long_text.segment and len(text_ids) - TEMPLATE_IDS > long_text.segment_tokens:
         count = lambda piece: len(tokenizer.text_ids(piece))  # noqa: E731
         texts = [piece.strip() for piece in split_text(text, long_text.segment_tokens, count)]
-    parts = []
-    for k, piece in enumerate(texts):
-        ids = tuple(text_ids) if len(texts) == 1 else tuple(tokenizer.assistant_ids(piece))
-        budget = long_text.frame_budget(len(ids) - TEMPLATE_IDS) if guarded else None
-        if budget is not None and budget >= max_new_tokens - 1:
-            budget = None  # max_new_tokens comes first
-        parts.append(Part(piece, ids, (seed + k * SEED_STEP) % MAX_SEED, budget))
-    return tuple(parts)
+    ids = [tuple(text_ids) if len(texts) == 1 else tuple(tokenizer.assistant_ids(piece)) for piece in texts]
+    most = max(max_new_tokens - 1, long_text.text_budget(len(text_ids) - TEMPLATE_IDS))
+    budgets = _budgets([len(i) - TEMPLATE_IDS for i in ids], long_text, max_new_tokens, guarded, most)
+    seeds = [(seed + k * SEED_STEP) % MAX_SEED for k in range(len(texts))]
+    return tuple(Part(*part) for part in zip(texts, ids, seeds, budgets, strict=True))
+
+
+def _budgets(
+    tokens: list[int], long_text: LongTextOptions, max_new_tokens: int, guarded: bool, most: int
+) -> list[int | None]:
+    """Each segment's frame budget (None: max_new_tokens - 1 bounds it), their frames `most` in all."""
+    frames = max_new_tokens - 1
+    if not guarded:
+        if len(tokens) * frames > most:
+            raise RequestError(
+                "max_new_tokens",
+                f"without the runaway guard (ignore_eos, or the guard off) each of this text's {len(tokens)} "
+                f"segments makes up to max_new_tokens - 1 = {frames} frames, {len(tokens) * frames} in all; "
+                f"a text of {sum(tokens)} tokens may make at most {most}: ask for max_new_tokens <= "
+                f"{most // len(tokens) + 1}, or keep the guard",
+            )
+        return [None] * len(tokens)
+    own = [min(long_text.frame_budget(n), frames) for n in tokens]
+    if sum(own) > most:  # many short paragraphs: their budgets shrink in proportion
+        own = [max(1, b * most // sum(own)) for b in own]
+    return [None if b >= frames else b for b in own]
 
 
 @dataclass(frozen=True)

@@ -429,3 +429,24 @@ def test_ctrl_c_keeps_a_valid_file_of_what_was_spoken(tiny_checkpoints, tmp_path
     assert ((h * 60 + m) * 60 + s_) * 1000 + ms == len(audio) * 1000 // 24000
     spoken = int(re.search(r"\((\d+) of \d+ segments\)", err).group(1))
     assert len(cues) == spoken
+
+
+def test_a_request_is_bounded_by_its_text_whatever_its_options(engines):
+    """1000 one-line paragraphs are 1000 segments: their budgets are scaled down to the whole text's
+    `text_budget`, and with ignore_eos (each segment exactly max_new_tokens - 1 frames: ~90 hours
+    here) the request is refused naming max_new_tokens. A text of sentences keeps its own budgets,
+    and one segment keeps ignore_eos's exact length (benchmarks)."""
+    engine = engines["0.6B-custom"]
+    text = "a.\n\n" * 1000
+    most = LongTextOptions().text_budget(len(engine.tokenizer.text_ids(text)))
+    request = engine.request(text, voice="serena", max_new_tokens=4096)
+    assert len(request.parts) == 1000 and sum(part.budget for part in request.parts) <= most
+    with pytest.raises(RequestError, match=r"ask for max_new_tokens <= \d+") as refused:
+        engine.request(text, voice="serena", ignore_eos=True, max_new_tokens=4096)
+    assert refused.value.field == "max_new_tokens"
+    with pytest.raises(RequestError, match="without the runaway guard"):
+        engine.request(text, voice="serena", long_text=LongTextOptions(guard=False), max_new_tokens=4096)
+    assert engine.request("Hello.", voice="serena", ignore_eos=True, max_new_tokens=4096).parts[0].budget is None
+    sentences = engine.request(LONG, long_text=SMALL, **FAST)
+    for part in sentences.parts:  # (SMALL: floor 3 + 1 frame per token)
+        assert part.budget == 3 + part.text_tokens
