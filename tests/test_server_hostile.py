@@ -26,6 +26,7 @@ def server(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     args = ("--voices-dir", str(root / "voices"), "--log-level", "warning")
     args += ("--text-timeout", str(TEXT_TIMEOUT), "--text-deadline", str(TEXT_DEADLINE))
+    args += ("--allow-ignore-eos",)  # the holds below use ignore_eos
     process, url = start_cli_server(tiny_checkpoints["0.6B-base"], *args, log=root / "serve.log")
     yield process, url
     stop_process(process)
@@ -126,3 +127,22 @@ def ref_voice(server):
     r = httpx.post(url + "/v1/audio/voices", data=data, files=files, timeout=60)
     assert r.status_code == 201, r.text
     return "holder"
+
+
+def test_kazeia_serve_refuses_ignore_eos_unless_allowed(engines):
+    """The command's default: a request asking for ignore_eos is a 400 naming it; with
+    --allow-ignore-eos it is spoken."""
+    from fastapi.testclient import TestClient
+
+    from kazeia.cli import build_parser
+    from kazeia.server import create_app
+    from kazeia.server.commands import server_config
+
+    body = {"input": "Hi.", "voice": "serena", "ignore_eos": True, "max_new_tokens": 3, "response_format": "pcm"}
+    for flags, status in (([], 400), (["--allow-ignore-eos"], 200)):
+        args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
+        with TestClient(create_app(engines["0.6B-custom"], server_config(args, "tiny"))) as client:
+            r = client.post("/v1/audio/speech", json=body)
+        assert r.status_code == status, r.text[:300]
+        if status == 400:
+            assert r.json()["error"]["param"] == "ignore_eos"

@@ -41,6 +41,9 @@ class Limits:
     client_stall_s: float = 30.0  # a client that takes none of it for this long is cancelled as if gone
     max_voices: int = 256  # saved voices in the voices directory
     max_voices_bytes: int = 512 << 20  # their files' total size
+    # Whether a request may set ignore_eos (exactly max_new_tokens - 1 frames a segment, for
+    # benchmarks). `kazeia serve` refuses it unless started with --allow-ignore-eos.
+    allow_ignore_eos: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -67,6 +70,8 @@ class Limits:
             raise ValueError(f"max_reference_s must be > 0, got {self.max_reference_s!r}")
         if not self.client_stall_s > 0:
             raise ValueError(f"client_stall_s must be > 0, got {self.client_stall_s!r}")
+        if not isinstance(self.allow_ignore_eos, bool):
+            raise ValueError(f"allow_ignore_eos must be True or False, got {self.allow_ignore_eos!r}")
         if self.max_positions < self.max_new_tokens:
             raise ValueError(
                 f"max_positions ({self.max_positions}) must be at least max_new_tokens ({self.max_new_tokens})"

@@ -95,6 +95,14 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
     if check:
         refuse_unknown(body, SESSION_FIELDS, "session")
     options = {name: body[name] for name in ENGINE_FIELDS if name in body and body[name] is not None}
+    if options.get("ignore_eos") is True and not limits.allow_ignore_eos:
+        raise ApiError(
+            400,
+            "ignore_eos is not offered by this server (it makes frames past the end of speech, for "
+            "benchmarks; a server started with --allow-ignore-eos takes it)",
+            param="ignore_eos",
+            code="unsupported_parameter",
+        )
     options["voice"] = _voice(body.get("voice"))
     options["instruct"] = _string(body, "instructions", limits.max_instructions_chars)
     _apply_limits(options, limits)
