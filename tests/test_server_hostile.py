@@ -146,3 +146,12 @@ def test_kazeia_serve_refuses_ignore_eos_unless_allowed(engines):
         assert r.status_code == status, r.text[:300]
         if status == 400:
             assert r.json()["error"]["param"] == "ignore_eos"
+
+
+def test_a_megabyte_voice_name_is_refused_before_any_lookup(server):
+    """Bounded before it reaches the saved voices (or difflib's suggestions), and never echoed whole."""
+    _, url = server
+    body = {"input": "Hi.", "voice": "v" * 1_000_000}
+    r = httpx.post(url + "/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 400 and len(r.content) < 2048, (r.status_code, len(r.content))
+    assert r.json()["error"]["code"] == "string_above_max_length" and r.json()["error"]["param"] == "voice"

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .app import create_app
 
 __all__ = ["create_app", "serve", "Limits", "ServerConfig"]
+WS_MESSAGE_ROOM = 4  # WebSocket messages the protocol reads whole, in max_body_bytes
 
 
 def __getattr__(name: str):
@@ -40,6 +41,7 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
 
     from .app import create_app
     from .guard import RedactKeys, loopback_hosts
+    from .wire import filter_logs
 
     if config.allowed_hosts is None:
         config = dataclasses.replace(config, allowed_hosts=loopback_hosts(host))
@@ -57,10 +59,11 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
         host=host,
         port=port,
         log_level=log_level,
-        ws_max_size=config.limits.max_body_bytes,
+        # A message over max_body_bytes is answered with a 413 error event on an open socket; the
+        # protocol closes (1009) only one over WS_MESSAGE_ROOM times that, which it must hold whole.
+        ws_max_size=WS_MESSAGE_ROOM * config.limits.max_body_bytes,
         limit_concurrency=config.max_connections,
         timeout_graceful_shutdown=5,  # streams still open after 5 s are cut; their jobs are cancelled
     )
-    for name in ("uvicorn.error", "uvicorn.access"):  # WebSocket paths are logged with their ?api_key=
-        logging.getLogger(name).addFilter(RedactKeys())
+    filter_logs(RedactKeys())  # WebSocket paths are logged with their ?api_key=; client text escaped
     uvicorn.Server(settings).run()

@@ -248,6 +248,7 @@ def wyoming(args, load: Callable, options: SynthesisOptions) -> int:
     """`kazeia wyoming`: the settings checked (`options`: every utterance's, from the flags), then
     the model loaded and served."""
     try:
+        from .wire import filter_logs
         from .wyoming import WyomingService, check_uri
     except ImportError as e:
         return missing_extra("wyoming", "wyoming", e)
@@ -261,6 +262,7 @@ def wyoming(args, load: Callable, options: SynthesisOptions) -> int:
     config = server_config(args, None)
     settings = WyomingSettings(options, args.idle_timeout)
     logging.basicConfig(format="%(levelname)s: %(name)s: %(message)s", level=args.log_level.upper())
+    filter_logs()  # client text in a log line is escaped (server/wire.py)
     service = WyomingService(load(args), config, settings)
     asyncio.run(service.run(args.uri, args.zeroconf))
     return 0

@@ -39,6 +39,7 @@ class Limits:
     max_buffered_bytes: int = 8 << 20  # encoded audio an utterance may hold for a client that reads slowly
     max_response_bytes: int = 64 << 20  # the whole audio of a `stream: false` response (~11 min of WAV)
     client_stall_s: float = 30.0  # a client that takes none of it for this long is cancelled as if gone
+    max_field_chars: int = 256  # length of every other string field (voice, language, model, formats...)
     max_voices: int = 256  # saved voices in the voices directory
     max_voices_bytes: int = 512 << 20  # their files' total size
     # Whether a request may set ignore_eos (exactly max_new_tokens - 1 frames a segment, for
@@ -57,11 +58,13 @@ class Limits:
             "max_ref_text_tokens",
             "max_buffered_bytes",
             "max_response_bytes",
+            "max_field_chars",
             "max_voices",
             "max_voices_bytes",
         ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_new_tokens < 2:
             raise ValueError(f"max_new_tokens must be >= 2, got {self.max_new_tokens!r}")
         if not self.max_temperature > 0 or not self.max_repetition_penalty > 0:
@@ -149,8 +152,11 @@ class ServerConfig:
                 raise ValueError(
                     f"allowed origin {origin!r} must be '*' or scheme://host[:port], e.g. https://app.example"
                 )
-        if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or len(key) < 8):
             raise ValueError("api_key must be a string of at least 8 characters")
+        if key is not None and any(c.isspace() or not c.isprintable() for c in key):
+            raise ValueError("api_key must hold no spaces or control characters (it travels in a header)")
         if not isinstance(self.voices_dir, (str, os.PathLike)) or not str(self.voices_dir).strip():
             raise ValueError(f"voices_dir must be a directory path, got {self.voices_dir!r}")
 

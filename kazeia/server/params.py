@@ -23,6 +23,7 @@ from .bodies import check_length, check_tokens, refuse_unknown
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
 from .formats import UNSUPPORTED, AudioFormat
+from .wire import shown
 
 if TYPE_CHECKING:
     from .store import VoiceStore
@@ -57,11 +58,13 @@ def speech_body(
 ) -> SpeechBody:
     refuse_unknown(body, SPEECH_FIELDS)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {shown(model)}", param="model")
     if model is not None and model != config.model_name and model not in config.model_aliases:
         aliases = f" (also answering to {', '.join(config.model_aliases)})" if config.model_aliases else ""
         raise ApiError(
             404,
-            f"unknown model {model!r}; this server serves {config.model_name!r}{aliases}",
+            f"unknown model {shown(model)}; this server serves {config.model_name!r}{aliases}",
             param="model",
             code="model_not_found",
         )

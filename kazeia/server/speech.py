@@ -39,7 +39,9 @@ async def speech(request: Request) -> Response:
     s = server_state(request)
     s.metrics.requests.inc(route=ROUTE)
     require_json(request)
-    body = json_object(await read_body(request, s.config.limits.max_body_bytes))
+    body = json_object(
+        await read_body(request, s.config.limits.max_body_bytes), max_chars=s.config.limits.max_field_chars
+    )
     parsed = speech_body(body, s.engine, s.config, s.formats, s.voices)
     encoder = parsed.audio_format.make()
     limits = s.config.limits

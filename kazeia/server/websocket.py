@@ -37,6 +37,7 @@ from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..audio import SAMPLE_RATE
+from ..errors import check_text
 from ..live import TextFeed
 from ..request import Request
 from .bodies import json_object, refuse_unknown
@@ -44,6 +45,7 @@ from .errors import ApiError
 from .formats import AudioEncoder
 from .params import check_length, prepare, session_options
 from .state import ServerState, server_state
+from .wire import dumps
 from .worker import Busy, Job, Outcome, segment_fields
 
 ROUTE = "/v1/audio/speech/stream"
@@ -102,7 +104,7 @@ class _Session:
             if isinstance(message, bytes):
                 await self.socket.send_bytes(message)
             else:
-                await self.socket.send_json(message)
+                await self.socket.send_text(dumps(message))
 
     async def error(self, error: ApiError, utterance: int | None = None) -> None:
         self.metrics.errors.inc(route=ROUTE, status=str(error.status))
@@ -114,9 +116,9 @@ class _Session:
         if raw is None:
             raise ApiError(400, "send JSON text messages; binary messages are not accepted", code="invalid_message")
         limit = self.config.limits.max_body_bytes
-        if len(raw) > limit:
+        if len(raw) > limit or len(raw.encode("utf-8", "surrogatepass")) > limit:
             raise ApiError(413, f"the message is over the limit of {limit} bytes", code="body_too_large")
-        body = json_object(raw, "message")
+        body = json_object(raw, "message", self.config.limits.max_field_chars)
         kind = body.get("type")
         if kind not in MESSAGE_TYPES:
             raise ApiError(
@@ -152,15 +154,18 @@ class _Session:
 
     async def append(self, text) -> None:
         """`input_text.append`: more text for the open utterance, or the first text of a new one."""
+        self._check_text(text, 0)
+        try:
+            check_text("text", text)  # not valid Unicode: this delta is refused, the utterance goes on
+        except ValueError as error:
+            raise ApiError(400, str(error), param="text") from None
         utterance = self.open
         if utterance is None:
-            self._check_text(text, len(text) if isinstance(text, str) else 0)
+            self._check_text(text, len(text))
             self._admit()
             feed = TextFeed()
             utterance = self._enqueue(prepare(self.engine, feed, self.options, self.voices, self.config), feed)
             self.open = utterance
-        elif not isinstance(text, str):
-            raise ApiError(400, "text must be a string", param="text")
         if utterance.over:
             return  # its audio has ended: the rest of its text is dropped (see the module docstring)
         try:
