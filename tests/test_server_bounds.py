@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 import httpx
-from hostile_support import wait_for
+from hostile_support import deaf_socket, http_post, peek, read_all, wait_for
 from server_support import start_cli_server, stop_process
 from websockets.sync.client import connect
 
@@ -162,3 +162,64 @@ def test_a_request_is_bounded_by_its_text_whatever_its_options(server, client):
     error = r.json()["error"]
     assert error["param"] == "max_new_tokens" and "at most" in error["message"], error
     _still_serving(client)
+
+
+def test_flac_is_bounded_while_it_is_made(server, client):
+    """FLAC is held whole until its end: over max_response_bytes (200 kB here) it is a 413 as soon as
+    it is, long before its 799 frames are made."""
+    metric = re.compile(r"^kazeia_audio_seconds_total (\S+)$", re.M)
+    before = float(metric.search(client.get("/metrics").text).group(1))
+    body = {"input": "Hello there.", **HELD, "max_new_tokens": 800, "response_format": "flac", "stream": False}
+    r = _post(client, body)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "response_too_large", r.text[:300]
+    spoken = float(metric.search(client.get("/metrics").text).group(1)) - before
+    assert 0 < spoken < 799 * 0.08 / 2, spoken  # it stopped early: 200 kB of FLAC is far less than half
+    _still_serving(client)
+
+
+def test_clients_that_never_read_do_not_hold_the_server(server, client):
+    """Clients on every --max-connections slot ask for minutes of audio and never read a byte: each is
+    dropped once it has taken nothing for client_stall_s, its job cancelled, and the server answers
+    the others again; none of them receives the end of a complete answer."""
+    _, url, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    body = {"input": "Hello there.", **HELD, "max_new_tokens": 3000, "speed": 0.25, "response_format": "pcm"}
+    deaf = []
+    for _ in range(CONNECTIONS - 1):  # uvicorn counts the connection asking: one more gets a 503
+        deaf.append(deaf_socket(port))
+        deaf[-1].sendall(http_post("/v1/audio/speech", body, {"Authorization": "Bearer " + KEY}))
+        wait_for(lambda: peek(deaf[-1], 12) == b"HTTP/1.1 200", 60, "its answer starting")
+    try:
+        health = wait_for(lambda: (r := httpx.get(url + "/health", timeout=5)).status_code == 200 and r.json(), 240,
+                          "the server answering again")  # fmt: skip
+        wait_for(lambda: httpx.get(url + "/health", timeout=5).json()["active"] == 0, 60, "every job ended")
+        assert health["status"] == "ok"
+        for sock in deaf:
+            answer = read_all(sock, 30)[0]
+            assert answer.startswith(b"HTTP/1.1 200"), answer[:64]
+            assert not answer.endswith(b"\r\n0\r\n\r\n"), "a cut answer ended as a complete one"
+    finally:
+        for sock in deaf:
+            sock.close()
+    _still_serving(client)
+
+
+def test_streamed_encoders_hold_only_what_is_not_sent():
+    """MP3 and Opus keep a frame or a page of encoded audio, not the whole utterance; FLAC, sent
+    whole at its end, holds it all (and is bounded as the whole answer is: above)."""
+    import numpy as np
+
+    from kazeia.server.formats import available_formats
+
+    chunk = np.random.default_rng(0).uniform(-0.5, 0.5, 7680).astype(np.float32)
+    for name, audio_format in available_formats().items():
+        encoder = audio_format.make()
+        sent = len(encoder.header())
+        for _ in range(100):  # 32 s of audio
+            sent += len(encoder.encode(chunk))
+        held = encoder.held
+        tail = encoder.finish()
+        if name == "flac":
+            assert sent == 0 and 100_000 < held <= len(tail), (held, len(tail))
+        else:
+            assert held < 16_384 and sent > 0, (name, held)

@@ -41,6 +41,7 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
 
     from .app import create_app
     from .guard import RedactKeys, loopback_hosts
+    from .protocols import bounded_protocols
     from .wire import filter_logs
 
     if config.allowed_hosts is None:
@@ -54,10 +55,13 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
         )
     app = create_app(engine, config)
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=log_level.upper())
+    http, ws = bounded_protocols(config.limits.client_stall_s)  # silent and stalled clients dropped
     settings = uvicorn.Config(  # configures uvicorn's loggers, so the filter goes on after it
         app,
         host=host,
         port=port,
+        http=http,
+        ws=ws or "auto",
         log_level=log_level,
         # A message over max_body_bytes is answered with a 413 error event on an open socket; the
         # protocol closes (1009) only one over WS_MESSAGE_ROOM times that, which it must hold whole.

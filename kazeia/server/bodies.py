@@ -11,23 +11,29 @@ from __future__ import annotations
 import json
 import math
 
+import anyio
 from starlette.requests import Request as HttpRequest
 
 from .errors import ApiError
 from .wire import shown, text
 
 
-async def read_body(request: HttpRequest, limit: int) -> bytes:
-    """The whole request body, refused with 413 as soon as it is known to be over `limit` bytes."""
+async def read_body(request: HttpRequest, limit: int, seconds: float) -> bytes:
+    """The whole request body, refused with 413 as soon as it is known to be over `limit` bytes,
+    and with 408 if it has not all arrived within `seconds` (a body trickled in forever would hold
+    its connection and its handler)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"the request body is {declared} bytes; the limit is {limit}", code="body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    with anyio.move_on_after(seconds) as deadline:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"the request body is over the limit of {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+    if deadline.cancelled_caught:
+        raise ApiError(408, f"the request body did not arrive within {seconds:g} s", code="body_timeout")
     return b"".join(chunks)
 
 

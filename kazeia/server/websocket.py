@@ -131,7 +131,7 @@ class _Session:
         if kind == "session.update":
             await self.update(body.get("session"))
         elif kind == "input_text":
-            self.accept_text(body.get("text"))
+            await self.accept_text(body.get("text"))
         elif kind == "input_text.append":
             await self.append(body.get("text"))
         elif kind == "input_text.end":
@@ -142,15 +142,16 @@ class _Session:
     async def update(self, session) -> None:
         if not isinstance(session, dict):
             raise ApiError(400, "session must be a JSON object of options", param="session")
-        self.options = session_options(session, self.engine, self.config.limits, self.voices)
+        # (a saved voice is loaded to check it: off the event loop)
+        self.options = await asyncio.to_thread(session_options, session, self.engine, self.config.limits, self.voices)
         shown = {("instructions" if k == "instruct" else k): v for k, v in self.options.items() if v is not None}
         await self.send({"type": "session.updated", "session": shown})
 
-    def accept_text(self, text) -> None:
-        """`input_text`: one whole utterance."""
+    async def accept_text(self, text) -> None:
+        """`input_text`: one whole utterance (tokenized and planned off the event loop)."""
         self._check_text(text, len(text) if isinstance(text, str) else 0)
         self._admit()
-        self._enqueue(prepare(self.engine, text, self.options, self.voices, self.config))
+        self._enqueue(await self._prepare(text))
 
     async def append(self, text) -> None:
         """`input_text.append`: more text for the open utterance, or the first text of a new one."""
@@ -164,7 +165,7 @@ class _Session:
             self._check_text(text, len(text))
             self._admit()
             feed = TextFeed()
-            utterance = self._enqueue(prepare(self.engine, feed, self.options, self.voices, self.config), feed)
+            utterance = self._enqueue(await self._prepare(feed), feed)
             self.open = utterance
         if utterance.over:
             return  # its audio has ended: the rest of its text is dropped (see the module docstring)
@@ -210,6 +211,9 @@ class _Session:
         elif utterance.job is not None:
             utterance.job.cancel()  # speak() drops the rest of its audio and its outcome
         await self.error(error, utterance.number)
+
+    async def _prepare(self, text: str | TextFeed) -> Request:
+        return await asyncio.to_thread(prepare, self.engine, text, self.options, self.voices, self.config)
 
     def _check_text(self, text, length: int) -> None:
         if not isinstance(text, str):

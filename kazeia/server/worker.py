@@ -86,6 +86,13 @@ class JobRecord:
     frames_at_cancel: int | None  # frames produced when the job was cancelled (None: not cancelled)
 
 
+class ResponseTooLarge(Exception):
+    """The encoded audio an encoder keeps back has grown over the job's `max_held` bytes."""
+
+    def __init__(self, held: int, limit: int):
+        super().__init__(f"the encoded audio is over this server's limit of {limit} bytes held for one answer")
+
+
 class Busy(Exception):
     """The queue is full; `retry_after` is a whole number of seconds to wait."""
 
@@ -111,6 +118,7 @@ class Job:
         arrived: float | None = None,
         max_buffered: int = 8 << 20,
         stall_s: float = 30.0,
+        max_held: int | None = None,
     ):
         self.id = next(_ids)
         self.request, self.encoder, self.loop = request, encoder, loop
@@ -121,6 +129,9 @@ class Job:
         self.stream: SpeechStream | None = None  # set by the worker when generation starts
         self.stalled = False  # cancelled because the client stopped taking its audio
         self.max_buffered, self.stall_s = max_buffered, stall_s
+        # Encoded bytes its encoder may keep back (FLAC holds its whole file until the end; None:
+        # max_buffered): over it the job fails with `response_too_large` as soon as it is.
+        self.max_held = max_buffered if max_held is None else max_held
         self._buffered = 0  # bytes handed to the event loop and not yet taken by the client
         self._waited = 0.0  # seconds the worker has spent waiting for room, in all
         self._room = threading.Condition()
@@ -222,6 +233,11 @@ class Worker:
         for thread in self._threads:
             thread.start()
 
+    def check_room(self) -> None:
+        """Busy if a job submitted now would be refused (nothing is reserved: submit may still be)."""
+        if self._jobs.full():
+            raise Busy(self.retry_after())
+
     def submit(self, job: Job) -> None:
         with self._lock:
             try:
@@ -299,6 +315,8 @@ class Worker:
                     if job.cancelled:
                         break
                     data = job.encoder.encode(chunk.audio)
+                    if job.encoder.held > job.max_held:
+                        raise ResponseTooLarge(job.encoder.held, job.max_held)
                     samples += len(chunk.audio)
                     if ttfb is None and chunk.frames:
                         ttfb = time.perf_counter() - job.arrived
@@ -355,9 +373,12 @@ class Worker:
 
 def _error_code(error: Exception, live: bool) -> str | None:
     """Live text can fail on the client's account: it stopped arriving, or the engine refused it
-    (e.g. only whitespace). Everything else is an internal error."""
+    (e.g. only whitespace); so can an answer that grows over its bound. Everything else is an
+    internal error."""
     if isinstance(error, TextTimeout):
         return "text_timeout"
+    if isinstance(error, ResponseTooLarge):
+        return "response_too_large"
     if live and isinstance(error, ValueError):
         return "invalid_text"
     return None
