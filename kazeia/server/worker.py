@@ -136,22 +136,31 @@ class Job:
         self._waited = 0.0  # seconds the worker has spent waiting for room, in all
         self._room = threading.Condition()
         self._cancelled = threading.Event()
-        # Held while the worker makes the stream and names it, and while a cancel reads its frame
-        # count: frames the stream's thread makes before it is named are counted, not taken for 0.
-        self.starting = threading.Lock()
+        # Held only to set the cancel flag and read the frame count, or to name the stream (never
+        # while one is made: that may decode an ICL voice's reference, and cancel runs on the loop).
+        self._naming = threading.Lock()
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        """Stop this job: before its next frame if it is generating, at once if it is waiting."""
+        """Stop this job: before its next frame if it is generating, at once if it is waiting.
+        Never waits for the worker (it is called on the event loop)."""
         if self.finished or self._cancelled.is_set():
             return
-        with self.starting:
+        with self._naming:
             self._cancelled.set()  # first, so at most one frame can follow the count read below
             stream = self.stream
             self.frames_at_cancel = stream.frames_generated if stream is not None else 0
+
+    def started(self, stream: SpeechStream) -> None:
+        """From the worker: the job's stream, once made. Cancelled while it was being made, its
+        frame count is read now: the frames its thread made before it was named are counted."""
+        with self._naming:
+            self.stream = stream
+            if self._cancelled.is_set():
+                self.frames_at_cancel = stream.frames_generated
 
     async def outcomes(self) -> AsyncIterator[bytes | Segment | Outcome]:
         """On the event loop: the job's bytes and ended segments as they come, then its Outcome;
@@ -307,9 +316,8 @@ class Worker:
         samples, ttfb = 0, None
         try:
             stop = lambda: job.cancelled  # noqa: E731
-            with job.starting:
-                stream = self.engine.stream_request(job.request, self.schedule, stop, scheduler=self.scheduler)
-                job.stream = stream
+            stream = self.engine.stream_request(job.request, self.schedule, stop, scheduler=self.scheduler)
+            job.started(stream)
             with stream:
                 for chunk in stream:
                     if job.cancelled:
