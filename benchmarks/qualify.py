@@ -144,6 +144,7 @@ def _serve(model: Path, args, port: int, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "kazeia", "serve", "--model", str(model), "--port", str(port)]
     command += ["--dtype", args.dtype, "--vocoder-dtype", args.vocoder_dtype, "--max-batch", str(args.max_batch)]
     command += ["--queue-size", "64", "--max-new-tokens", str(args.frames + 1), "--log-level", "warning"]
+    command += ["--allow-ignore-eos"]  # the answers are of --frames frames: EOS suppressed
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -87,8 +88,21 @@ def options_from(args, kind):
     return kind(**given)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as the command's others: one line on stderr naming the flag and what
+    it takes, status 2 (the usage is `--help`'s, unchanged)."""
+
+    KINDS = {"int": "an integer", "float": "a number", "port": "a port number"}
+
+    def error(self, message: str):  # type: ignore[override]
+        kind = re.fullmatch(r"(argument \S+: )invalid (\w+) value: (.*)", message)
+        if kind is not None and kind.group(2) in self.KINDS:
+            message = f"{kind.group(1)}expects {self.KINDS[kind.group(2)]}, not {kind.group(3)}"
+        self.exit(2, f"kazeia: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kazeia", description="Qwen3-TTS speech synthesis.")
+    parser = _Parser(prog="kazeia", description="Qwen3-TTS speech synthesis.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     say = sub.add_parser("say", help="synthesize text to an audio file")

@@ -3,13 +3,15 @@
 A live text is spoken exactly as the whole text would be: cut into the same segments
 (kazeia/segment.py), each with the same tokens, seed and frame budget, so the codes and audio equal
 those of the same text given at once, whatever the deltas and their timing. `LiveParts` settles
-each segment as soon as no continuation can change it (`segment.resettled`: a sentence is complete
+each segment as soon as no continuation can change it (`split.resettled`: a sentence is complete
 once the next one's first letter is there; a segment closes once the sentence after it cannot fit).
 Within a segment, the streaming text layout feeds the talker one token per generated frame, so
 speech can start with the first tokens certain to be the segment's: those of every pre-token (the
 tokenizer's regex pieces: words, number digits, punctuation runs, whitespace) but the last, which
 may still grow ("Hel" + "lo"), merge with what follows (".\n"), or split differently. Where a
 decision needs text that has not arrived, generation waits for it (within the text's timeouts).
+A text is plain text (kazeia/text.py): "<|im_" then "end|>" is those characters, as in the whole
+text, never a control token whose name was split between deltas.
 
 `TextFeed` is a thread-safe source to push deltas into (servers, callbacks); any iterable or async
 iterable of strings works as well; `LiveText` reads one within its timeouts.
@@ -26,8 +28,8 @@ from collections.abc import AsyncIterable, Callable, Iterable
 import torch
 
 from .errors import RequestError, check_text
-from .sampling import MAX_SEED
-from .segment import SEED_STEP, LongTextOptions, resettled
+from .segment import Allowance, LongTextOptions, part_seed
+from .split import resettled
 from .text import TextTokenizer
 
 _END = object()
@@ -41,12 +43,14 @@ class TextFeed:
         self._ended = False
 
     def append(self, delta: str) -> None:
+        """Queue `delta` (an empty one adds nothing and is not kept)."""
         if not isinstance(delta, str):
             raise RequestError("text", f"text deltas must be strings, got {type(delta).__name__}")
         check_text("text", delta)
         if self._ended:
             raise ValueError("the text feed has ended; no more text can be appended")
-        self._queue.put(delta)
+        if delta:
+            self._queue.put(delta)
 
     def end(self) -> None:
         if not self._ended:
@@ -117,6 +121,9 @@ class LiveText:
         self.ended = False
         self.first_text_at: float | None = None  # perf_counter() of the first non-empty delta
         self.waits = 0  # times a caller had to wait for text
+        # Text tokens the whole text may have (None: no bound but the positions'); over it the text
+        # fails with a RequestError as soon as it is known to be (a server's max_input_tokens).
+        self.max_tokens: int | None = None
 
     def _pull(self) -> bool:
         """Take one delta (blocking, polling `should_stop`); False if asked to stop."""
@@ -143,7 +150,19 @@ class LiveText:
             if item.strip():  # only text that advances the utterance counts as activity
                 self._active_at = time.monotonic()
             self.text += item
+        if self.max_tokens is not None:
+            self._check_tokens(self.max_tokens)
         return True
+
+    def _check_tokens(self, limit: int) -> None:
+        """Refuse the text once it is known to have more than `limit` tokens: those of every
+        pre-token but the last (they stay whatever follows), or all of them once it has ended."""
+        encoding = self.tokenizer.encoding(self.text)
+        count = len(encoding.ids)
+        if not self.ended and count:
+            count -= encoding.word_ids.count(encoding.word_ids[-1])
+        if count > limit:
+            raise RequestError("text", f"text is {count} tokens long; at most {limit} are accepted")
 
     def _check_time(self) -> None:
         now = time.monotonic()
@@ -156,7 +175,7 @@ class LiveText:
 class LiveParts:
     """The segments of a text still arriving: exactly those `segment.plan` gives the whole text
     (where it cuts, each one's tokens, seed and frame budget), each known as soon as no continuation
-    can change it (`segment.settled`). Part k begins once its first token is certain; its tokens
+    can change it (`split.settled`). Part k begins once its first token is certain; its tokens
     come as they become certain; where a decision needs text that has not arrived, the caller waits
     for it (within the text's timeouts). Read in one thread, the one that pulls the text."""
 
@@ -168,6 +187,8 @@ class LiveParts:
         self.single = True  # the text is, or may still be, one piece
         self.open: list[int] = []  # the certain text ids of the piece after `pieces`
         self._seen: tuple[int, bool] = (-1, False)  # the text's length and end when last looked at
+        self.allowance = Allowance(long_text, max_new_tokens, guarded)
+        self.budgets: list[int | None] = []  # the final parts' budgets, taken in order
 
     def part(self, index: int) -> LivePart | None:
         """Part `index` once it has begun; None once the text has ended with fewer parts, or when
@@ -223,6 +244,8 @@ class LiveParts:
         if len(pieces) > len(self.pieces):
             self.open = []
         self.pieces, self.single = pieces, single
+        while len(self.budgets) < len(pieces):  # final parts take their frames in order (segment.plan's)
+            self.budgets.append(self.allowance.take(len(self.ids(len(self.budgets)))))
         if ended or (single and self.long_text.segment and text[:1].isspace()):
             return  # ended: every part final; one piece keeps leading whitespace, a split one not
         ids = self._stable(certain if single else certain.lstrip())
@@ -243,7 +266,7 @@ class LivePart:
 
     def __init__(self, parts: LiveParts, index: int):
         self.parts, self.index = parts, index
-        self.seed = (parts.seed + index * SEED_STEP) % MAX_SEED
+        self.seed = part_seed(parts.seed, index)
 
     def wait_final(self) -> bool:
         """Block until the part's text is known whole; False if stopped."""
@@ -264,19 +287,18 @@ class LivePart:
         """Its assistant template's ids (once final)."""
         return tuple(self.parts.tokenizer.wrap_assistant(self.parts.ids(self.index)))
 
-    def budget(self, frames: int) -> int | None:
+    def budget_at(self, frames: int) -> int | None:
         """The runaway guard's frame budget, as `segment.plan` gives it, asked with the frames made:
-        known at once while those stay below what the part's known tokens allow, else once it is
-        final (waited for; a stop ends the wait with no budget)."""
+        known at once while those stay below what the part's known tokens allow (`Allowance.least`),
+        else once it is final (waited for; a stop ends the wait with no budget)."""
         parts = self.parts
         if not parts.final(self.index):
-            known = parts.long_text.frame_budget(len(parts.ids(self.index)))
+            known = parts.allowance.least(len(parts.ids(self.index)))
             if frames < known:
                 return known
             if not self.wait_final():
                 return None
-        budget = parts.long_text.frame_budget(len(parts.ids(self.index)))
-        return None if budget >= parts.max_new_tokens - 1 else budget
+        return parts.budgets[self.index]
 
     def trailing(self, embed: Callable[[int], torch.Tensor], eos: torch.Tensor, pad: torch.Tensor):
         """The trailing text track of the streaming layout as a function of the decode step: step s

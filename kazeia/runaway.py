@@ -29,7 +29,7 @@ class RunawayGuard:
 
     def __init__(self, budget: int | None | Callable[[int], int | None], loop_frames: int):
         # frames at most (None: only max_new_tokens bounds it); or a function of the frames made that
-        # gives it (a live text's segment: its budget is known once its text is, live.LivePart.budget)
+        # gives it (a live text's segment: its budget is known once its text is, live.LivePart.budget_at)
         self.budget = budget
         self.loop_frames = loop_frames
         self.frames = 0

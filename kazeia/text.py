@@ -59,20 +59,28 @@ class TextTokenizer:
     into other ids ("\\n" + "\\n\\nx" gives "\\n\\n\\n" + "x", not "\\n" + "\\n\\n" + "x"), and
     the reference's fixed slices `[3:-5]` (target) and `[3:-2]` (reference text) cut a wrong span.
 
-    `assistant_ids` and `ref_ids` are therefore built as role prefix + `encode(text)` + suffix: the
+    A text is plain text, never markup: "<|im_end|>" written in it is spoken as those characters,
+    never taken for the control token of that name (the reference takes it for one, so a text could
+    end its own turn and write the prompt that follows). Texts are therefore tokenized by a second
+    tokenizer without the added tokens (`text_ids`); `encode` keeps them for the templates. For a
+    text that holds no added token's name the two give the same ids.
+
+    `assistant_ids` and `ref_ids` are therefore built as role prefix + `text_ids(text)` + suffix: the
     target prompt always starts with [<|im_start|>, "assistant", "\\n"] (3 ids), ends with
     [<|im_end|>, "\\n", <|im_start|>, "assistant", "\\n"] (5 ids), and `[3:-5]` is exactly
     `text_ids(text)`. For any text whose leading whitespace holds no "\\r" or "\\n" (in particular
-    any text not starting with a newline) these ids equal the reference's, given the same split
-    regex. `instruct_ids` is used whole, never sliced, so it tokenizes the template string like the
-    reference and equals the reference's ids for every input.
+    any text not starting with a newline) and that holds no added token's name, these ids equal the
+    reference's, given the same split regex. `instruct_ids` is used whole, never sliced: the user
+    role's "user\\n" and the instruction are one piece, as in the reference's template string, so
+    its ids equal the reference's for every instruction without an added token's name.
 
     Encoding is read-only on the underlying `tokenizers.Tokenizer`, so one instance can be shared by
     threads; the fixed prefixes and suffixes are computed once.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, plain: Tokenizer):
+        self._tokenizer = tokenizer  # with the added tokens: the templates
+        self._plain = plain  # without them: the texts
         im_start, im_end = self._special_id("<|im_start|>"), self._special_id("<|im_end|>")
         newline = tuple(self.encode("\n"))
         assistant = (im_start, *self.encode("assistant"), *newline)
@@ -103,27 +111,20 @@ class TextTokenizer:
             model = BPE.from_file(str(vocab), str(merges))
         except Exception as e:  # tokenizers raises a bare Exception for unparsable files
             raise CheckpointError(f"cannot read {vocab} / {merges}: {e}") from None
-        tokenizer = Tokenizer(model)
-        # Same pipeline as transformers' Qwen2 slow->fast conversion (offsets aside).
-        tokenizer.normalizer = normalizers.NFC()
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(SPLIT_REGEXES[regex]), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer = _pipeline(model, regex)
         _add_tokens(tokenizer, added.items(), root / CONFIG_FILE)
-        return cls(tokenizer)
+        return cls(tokenizer, _pipeline(model, regex))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; added tokens such as "<|im_end|>" written in it are recognised."""
+        """Token ids of a template string; added tokens such as "<|im_end|>" written in it are
+        recognised (a text to speak goes through `text_ids`, which never recognises them)."""
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def encoding(self, text: str) -> Encoding:
-        """The library's encoding of `text`: ids plus `word_ids`, the pre-token each id comes from
-        (what live text input needs to tell finished words from a word still being typed)."""
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        """The library's encoding of a text (as `text_ids`): ids plus `word_ids`, the pre-token
+        each id comes from (what live text input needs to tell finished words from a word still
+        being typed; with no added tokens, no token spans two pre-tokens)."""
+        return self._plain.encode(text, add_special_tokens=False)
 
     def at_least(self, text: str) -> int:
         """The fewest text tokens that `text` followed by anything encodes to: its tokens but those of
@@ -139,12 +140,13 @@ class TextTokenizer:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def text_ids(self, text: str) -> list[int]:
-        """The text tokens the talker reads: `assistant_ids(text)[3:-5]`."""
-        return self.encode(text)
+        """The text tokens the talker reads, `assistant_ids(text)[3:-5]`: plain text, an added
+        token's name spelled out like any other characters."""
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def assistant_ids(self, text: str) -> list[int]:
         """`<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n` (target text)."""
-        return self.wrap_assistant(self.encode(text))
+        return self.wrap_assistant(self.text_ids(text))
 
     def wrap_assistant(self, text_ids: list[int]) -> list[int]:
         """The target-text template around already tokenized text."""
@@ -152,17 +154,32 @@ class TextTokenizer:
 
     def ref_ids(self, ref_text: str) -> list[int]:
         """`<|im_start|>assistant\\n{ref_text}<|im_end|>\\n` (voice-clone reference transcript)."""
-        return [*self._assistant_prefix, *self.encode(ref_text), *self._turn_end]
+        return [*self._assistant_prefix, *self.text_ids(ref_text), *self._turn_end]
 
     def instruct_ids(self, instruct: str) -> list[int]:
         """`<|im_start|>user\\n{instruct}<|im_end|>\\n` (style or voice-design instruction)."""
-        return self.encode(f"<|im_start|>user\n{instruct}<|im_end|>\n")
+        return [self._assistant_prefix[0], *self.text_ids(f"user\n{instruct}"), *self._turn_end]
 
     def _special_id(self, token: str) -> int:
         token_id = self._tokenizer.token_to_id(token)
         if token_id is None:
             raise CheckpointError(f"{CONFIG_FILE}: added token {token!r} is missing")
         return token_id
+
+
+def _pipeline(model: BPE, regex: str) -> Tokenizer:
+    """`model` behind the same pipeline as transformers' Qwen2 slow->fast conversion (offsets
+    aside), without added tokens."""
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_REGEXES[regex]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
 
 
 def _add_tokens(tokenizer: Tokenizer, entries: Iterable[tuple[str, object]], where: Path) -> None:

@@ -72,7 +72,8 @@ def _segments(
     parts = request.parts if request.live is None else _live_parts(request, should_stop)
     for index, part in enumerate(parts):
         made: list[torch.Tensor] = []
-        guard = RunawayGuard(part.budget, request.long_text.loop_frames) if part and request.guarded else None
+        budget = part.budget_at if isinstance(part, LivePart) else part.budget if part else None
+        guard = RunawayGuard(budget, request.long_text.loop_frames) if part and request.guarded else None
         cond = _continued(request, previous)
         runs = first if index == 0 else steps
         prompt = None if part is None else _prompt(runtime, request, part, cond, runs)

@@ -59,6 +59,10 @@ class Voice:
             raise ValueError("voice x_vector must be a 1-D float tensor")
         if x.shape[0] != self.model.width:
             raise ValueError(f"voice x_vector has {x.shape[0]} values, its model says {self.model.width}")
+        if not bool(torch.isfinite(x).all()):  # it would make every utterance's prompt NaN
+            raise ValueError(
+                "voice x_vector holds NaN or infinite values: the reference audio gave no usable embedding"
+            )
         if (self.ref_codes is None) != (self.ref_text is None):
             raise ValueError("an ICL voice needs both ref_codes and ref_text; an x-vector voice neither")
         codes = self.ref_codes

@@ -215,11 +215,13 @@ def sse_audio(events: list[dict]) -> bytes:
     return b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
 
 
-def assert_pcm_close(got: bytes, expected: bytes) -> None:
-    """Same length, samples within 1 LSB (streamed and offline audio differ by float rounding)."""
-    assert len(got) == len(expected)
-    a, b = np.frombuffer(got, "<i2").astype(int), np.frombuffer(expected, "<i2").astype(int)
-    assert np.max(np.abs(a - b), initial=0) <= 1
+def assert_pcm_equal(got: bytes, expected: bytes) -> None:
+    """The same samples, bit for bit (streamed, batched and offline audio are one byte stream);
+    on a difference, where the first one is."""
+    assert len(got) == len(expected), (len(got), len(expected))
+    a, b = np.frombuffer(got, "<i2"), np.frombuffer(expected, "<i2")
+    differ = np.flatnonzero(a != b)
+    assert not len(differ), f"{len(differ)} samples differ, the first at {differ[0]}: {a[differ[0]]} != {b[differ[0]]}"
 
 
 def offline_pcm(engine, text: str, **options) -> bytes:

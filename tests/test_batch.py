@@ -854,7 +854,7 @@ def test_the_server_serves_16_clients_with_max_batch_4(engines):
     """16 concurrent streaming clients against --max-batch 4, a few leaving early: every complete
     response is the engine's own audio for its request, steps were batched, and the server ends idle."""
     import httpx
-    from server_support import LiveServer, assert_pcm_close, offline_pcm
+    from server_support import LiveServer, assert_pcm_equal, offline_pcm
 
     from kazeia.server import Limits, ServerConfig, create_app
 
@@ -894,7 +894,7 @@ def test_the_server_serves_16_clients_with_max_batch_4(engines):
     for k, data in enumerate(got):
         if data is not None:
             options = {key: v for key, v in bodies[k].items() if key not in ("input", "response_format")}
-            assert_pcm_close(data, offline_pcm(engine, bodies[k]["input"], **options))
+            assert_pcm_equal(data, offline_pcm(engine, bodies[k]["input"], **options))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", INT8, "int4"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +39,7 @@ def free_port() -> int:
 
 
 SMOKE = {  # script -> its arguments for a smoke run (the longest first)
+    "soak.py": ["--seconds", "30", "--clients", "6"],
     "bench.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2", "--repeats", "1", "--long-seconds", "0.24",
                  "--reference"],
     "load.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2", "--repeats", "1"],
@@ -188,6 +190,21 @@ def test_qualify(runs):
     levels = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert [(row[0], row[1], row[2]) for row in levels] == [("1", "1", "0"), ("2", "2", "0")], out
     assert "C_max = " in out and "int8" in out, out
+
+
+def test_soak(runs):
+    """The soak's figures that do not depend on how long the machine took: every hostile class
+    answered without a 5xx, no stuck job, and every completed answer its solo replay's bytes (its
+    slot and RSS checks need minutes of wall time: run by hand, BENCHMARKS.md)."""
+    pytest.importorskip("wyoming")
+    done = runs["soak.py"].result()
+    out = done.stdout
+    assert done.returncode in (0, 1), f"exit {done.returncode}\n{out[-3000:]}\n{done.stderr[-3000:]}"
+    hostile = out.split("one of each hostile class:")[1].split("stuck jobs")[0].strip().splitlines()
+    assert len(hostile) >= 10 and not any(re.search(r": 5\d\d$", line) for line in hostile), out
+    assert "stuck jobs (HTTP server): 0" in out, out
+    same, replayed = map(int, re.search(r"byte-identical to their solo replay: (\d+)/(\d+)", out).groups())
+    assert same == replayed > 0, out
 
 
 def test_a_failed_configuration_fails_the_script_after_the_others(runs):

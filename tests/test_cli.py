@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import soundfile as sf
 
 from kazeia import Engine
@@ -271,3 +272,25 @@ def test_progress_bar_on_request_and_none_by_default(tiny_checkpoints, tmp_path,
         assert main(argv + quiet) == 0
         err = capsys.readouterr().err
         assert "segment/s" not in err and "\r" not in err and err.startswith(f"{out}: "), err
+
+
+def test_argument_errors_are_one_line_naming_the_flag(capsys):
+    """A flag argparse refuses exits 2 with one line naming the flag and what it takes, not the
+    whole usage; --help still prints the usage."""
+    cases = [
+        (["serve", "--port", "70000"], ["--port", "1 to 65535", "70000"]),
+        (["say", "Hi.", "--temperature", "abc"], ["--temperature", "expects a number", "'abc'"]),
+        (["wyoming", "--max-batch", "two"], ["--max-batch", "expects an integer", "'two'"]),
+        (["say", "Hi.", "--dtype", "int3"], ["--dtype", "invalid choice", "int8"]),
+        (["serve", "--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        captured = capsys.readouterr()
+        assert exit.value.code == 2 and captured.out == "", argv
+        assert captured.err.startswith("kazeia: error: ") and captured.err.count("\n") == 1, captured.err
+        assert all(w in captured.err for w in words), (argv, captured.err)
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--help"])
+    assert exit.value.code == 0 and capsys.readouterr().out.startswith("usage: kazeia serve")

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kazeia import LongTextOptions
-from kazeia.live import TextFeed, TextTimeout
+from kazeia.errors import RequestError
+from kazeia.live import LiveText, TextFeed, TextTimeout
 
 TEXTS = [
     "Hello there, this is live text. Speaking while it arrives!",
@@ -145,6 +146,62 @@ def test_a_long_live_text_is_cut_and_spoken_as_the_whole_text(engines, long_whol
     assert stream.segments == expected.segments
 
 
+PARAGRAPHS = "Go on.\n\n" * 10  # ten segments of a few tokens: each a floor, more than the text allows
+
+
+def test_paragraph_budgets_take_what_is_left_as_the_whole_text_does(engines):
+    """Many short paragraphs: the later segments' budgets are what the text leaves (segment.Allowance),
+    known as each segment is, so the live text gets the whole text's budgets, codes and audio."""
+    engine = engines["0.6B-custom"]
+    options = dict(voice="serena", seed=3, non_streaming_mode=False, **SEGMENTED)
+    budgets = [part.budget for part in engine.request(PARAGRAPHS, **options).parts]
+    own = SEGMENTED["long_text"].frame_budget(engine.request("Go on.", **options).parts[0].text_tokens)
+    assert budgets[0] == own and min(budgets) < own, budgets  # the allowance is what is tested here
+    expected = engine.stream(PARAGRAPHS, **options)
+    expected_audio = np.concatenate([c.audio for c in expected])
+    for cuts in ([], [3, 9, 10, 11, 40], list(range(len(PARAGRAPHS)))):
+        stream = engine.stream(iter(_deltas(PARAGRAPHS, cuts)), **options)
+        audio = np.concatenate([c.audio for c in stream])
+        assert [s.end_sample - s.start_sample for s in stream.segments] == [
+            s.end_sample - s.start_sample for s in expected.segments
+        ]
+        assert audio.tobytes() == expected_audio.tobytes()
+
+
+def test_unguarded_paragraphs_over_what_the_text_allows_are_refused_live_too(engines):
+    """ignore_eos over many short paragraphs: the whole text is refused before any work, the live
+    one as soon as a segment would go past what its text allows, naming max_new_tokens."""
+    engine = engines["0.6B-custom"]
+    options = dict(voice="serena", ignore_eos=True, **SEGMENTED)
+    with pytest.raises(RequestError, match=r"ask for max_new_tokens <= \d+") as whole:
+        engine.request(PARAGRAPHS, **options)
+    with pytest.raises(RequestError, match=r"ask for max_new_tokens <= \d+") as live:
+        list(engine.stream(iter(_deltas(PARAGRAPHS, [5, 17])), **options))
+    assert whole.value.field == live.value.field == "max_new_tokens"
+
+
+def test_a_live_text_over_its_token_limit_fails_once_it_is_known_to_be(engines):
+    """LiveText.max_tokens: the tokens of every pre-token but the last count while the text arrives
+    (they stay whatever follows), all of them once it has ended."""
+    tokenizer = engines["0.6B-custom"].tokenizer
+    text = "one two three four"
+    total = len(tokenizer.text_ids(text))
+    feed = TextFeed()
+    live = LiveText(tokenizer, feed, idle_timeout=None)
+    live.max_tokens = total - 1
+    feed.append(text)
+    assert live._pull()  # "four" may still grow: not over yet
+    feed.end()
+    with pytest.raises(RequestError, match=f"text is {total} tokens long; at most {total - 1} are accepted"):
+        live._pull()
+    feed = TextFeed()
+    live = LiveText(tokenizer, feed, idle_timeout=None)
+    live.max_tokens = 1
+    feed.append("one two three ")
+    with pytest.raises(RequestError, match="at most 1 are accepted"):  # known before the end
+        live._pull()
+
+
 def test_idle_source_times_out(engines):
     feed = TextFeed()
     stream = engines["0.6B-custom"].stream(feed, text_timeout=0.3, **OPTIONS)
@@ -215,3 +272,25 @@ def test_empty_and_bad_sources(engines):
     feed.end()
     with pytest.raises(ValueError, match="has ended"):
         feed.append("late")
+
+
+def test_a_control_token_split_between_deltas_is_plain_text_as_in_the_whole_text(engines):
+    """ "Hello <|im_" then "end|> there": the characters of its name, as the whole text speaks them,
+    never the control token (nor an error when the second delta completes its name)."""
+    engine = engines["0.6B-custom"]
+    text = "Hello <|im_end|> there"
+    expected_stream, expected = _run(engine, text, non_streaming_mode=False)
+    stream, audio = _run(engine, iter(["Hello <|im_", "end|> there"]))
+    np.testing.assert_array_equal(stream.codes, expected_stream.codes)
+    np.testing.assert_array_equal(audio, expected)
+    assert 151645 not in engine.tokenizer.text_ids(text)  # <|im_end|>'s id: not in the text
+
+
+def test_empty_deltas_are_not_kept():
+    """An empty delta adds nothing: a feed never grows by one (a client sending only those would
+    otherwise fill a queued utterance's feed without bound)."""
+    feed = TextFeed()
+    for _ in range(10_000):
+        feed.append("")
+    feed.append("Hi")
+    assert feed.get(timeout=1) == "Hi" and feed._queue.empty()

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from kazeia import LongTextOptions, RequestError, Voice
 from kazeia.runaway import RunawayGuard, is_loop, overall
-from kazeia.segment import SEED_STEP, resettled, settled, split_text
+from kazeia.segment import SEED_STEP
+from kazeia.split import resettled, settled, split_text
 from kazeia.subtitles import srt, vtt
 
 CORPUS = {
@@ -207,7 +208,7 @@ def test_a_long_text_is_one_seamless_utterance(engines):
     assert all((s.end_sample - s.start_sample) % 1920 == 0 and s.end_sample > s.start_sample for s in segments)
     assert len(speech.audio) == 1920 * len(speech.codes)
     whole = engine.decode(torch.from_numpy(speech.codes))
-    assert np.max(np.abs(speech.audio - whole)) <= 1e-5
+    np.testing.assert_array_equal(speech.audio, whole)
     assert [s.index for s in segments] == list(range(len(segments)))
     assert segments[1].start_s == pytest.approx(segments[1].start_sample / 24000)
 
@@ -285,7 +286,7 @@ def test_streamed_long_text_equals_synthesized(engines, schedule):
         chunks = list(stream)
     np.testing.assert_array_equal(stream.codes, offline.codes)
     audio = np.concatenate([c.audio for c in chunks])
-    assert np.max(np.abs(audio - offline.audio)) <= 1e-5
+    np.testing.assert_array_equal(audio, offline.audio)
     assert stream.segments == list(offline.segments)
     assert [s for c in chunks for s in c.segments] == stream.segments
     for chunk in chunks:  # a chunk lists only segments whose audio has ended by its own end
@@ -367,7 +368,7 @@ def test_carry_context_continues_the_previous_segment(engines):
     frames = (second.end_sample - second.start_sample) // 1920
     np.testing.assert_array_equal(speech.codes[split : split + frames], alone.codes)
     whole = engine.decode(torch.from_numpy(speech.codes))
-    assert np.max(np.abs(speech.audio - whole)) <= 1e-5
+    np.testing.assert_array_equal(speech.audio, whole)
 
 
 def test_subtitles_formats(engines):
@@ -492,3 +493,27 @@ def test_ctrl_c_keeps_a_valid_file_of_what_was_spoken(tiny_checkpoints, tmp_path
     assert ((h * 60 + m) * 60 + s_) * 1000 + ms == len(audio) * 1000 // 24000
     spoken = int(re.search(r"\((\d+) of \d+ segments\)", err).group(1))
     assert len(cues) == spoken
+
+
+def test_a_request_is_bounded_by_its_text_whatever_its_options(engines):
+    """1000 one-line paragraphs are 1000 segments: their budgets together stay within the text's
+    `text_budget` (the first ones keep their own, the later ones get what is left), and with
+    ignore_eos (each segment exactly max_new_tokens - 1 frames: ~90 hours here) the request is
+    refused naming max_new_tokens. A text of sentences keeps its own budgets, and one segment keeps
+    ignore_eos's exact length (benchmarks)."""
+    engine = engines["0.6B-custom"]
+    text = "a.\n\n" * 1000
+    most = LongTextOptions().text_budget(len(engine.tokenizer.text_ids(text)))
+    request = engine.request(text, voice="serena", max_new_tokens=4096)
+    assert len(request.parts) == 1000 and sum(part.budget for part in request.parts) <= most
+    own = LongTextOptions().frame_budget(request.parts[0].text_tokens)
+    assert request.parts[0].budget == own and request.parts[-1].budget < own
+    with pytest.raises(RequestError, match=r"ask for max_new_tokens <= \d+") as refused:
+        engine.request(text, voice="serena", ignore_eos=True, max_new_tokens=4096)
+    assert refused.value.field == "max_new_tokens"
+    with pytest.raises(RequestError, match="without the runaway guard"):
+        engine.request(text, voice="serena", long_text=LongTextOptions(guard=False), max_new_tokens=4096)
+    assert engine.request("Hello.", voice="serena", ignore_eos=True, max_new_tokens=4096).parts[0].budget is None
+    sentences = engine.request(LONG, long_text=SMALL, **FAST)
+    for part in sentences.parts:  # (SMALL: floor 3 + 1 frame per token)
+        assert part.budget == 3 + part.text_tokens

@@ -83,6 +83,7 @@ def test_bad_reference_audio(tmp_path):
         ((np.zeros(48000, np.float32), 16000), "silent"),
         ((1e-5 * loud, 16000), "silent"),
         ((nan, 16000), "NaN or infinite"),
+        ((1e20 * loud, 16000), "samples of magnitude 3e\\+19; audio samples lie in \\[-1, 1\\]"),
         ((loud, 0), "sample rate must be a positive integer"),
         ((loud, 16000.0), "sample rate must be a positive integer"),
         ((loud, True), "sample rate must be a positive integer"),
@@ -151,3 +152,14 @@ def test_log_mel_matches_the_reference_front_end(speech):
     ours = LogMel(24000)(audio)
     assert ours.shape == theirs.shape == (1, 128, (audio.shape[1] + 768 - 1024) // 256 + 1)
     assert torch.max(torch.abs(ours - theirs)) <= 1e-5
+
+
+def test_a_voice_never_holds_a_non_finite_embedding():
+    """Made from audio or read from a file, an x-vector with NaN would make every prompt NaN."""
+    from kazeia.voices import Voice, VoiceModel
+
+    model = VoiceModel("0b6", 4, "0" * 64)
+    Voice(torch.zeros(4), None, None, model)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            Voice(torch.tensor([0.0, bad, 0.0, 0.0]), None, None, model)

@@ -1,9 +1,12 @@
 """Random requests thrown at the app: whatever the content, only 2xx/4xx, never a dropped socket.
 
-Bodies mix arbitrary JSON (any nesting, NaN, huge numbers, lone surrogates) with plausible values
-of the real fields, so that random requests get past the first checks and into the deeper ones;
-raw bodies add invalid JSON, deep nesting and other content types. After each example the server
-must still speak a normal request: nothing it was sent may have broken it.
+Bodies mix arbitrary JSON (any nesting, NaN, Infinity and 1e400, huge numbers, lone surrogates, in
+keys as in values) with plausible values of the real fields, so that random requests get past the
+first checks and into the deeper ones; raw bodies add invalid JSON, deep nesting and other content
+types; WebSocket messages add unknown types and sizes around the message limit; Wyoming events add
+unknown types, hostile data and payloads, and sizes around the event limit. After each example the
+server must still speak a normal request on the same socket or connection: nothing it was sent may
+have broken it, and no answer is a 5xx or an `internal_error`.
 """
 
 import json
@@ -31,9 +34,10 @@ scalars = (
     | st.text(max_size=20)
     | st.sampled_from(["\ud800", "\x00", "", " ", "\u202e", "a" * 300])
 )
+hostile_keys = st.text(max_size=6) | st.sampled_from(["\ud800", "\udfff x", "\x00", "", "k" * 300, "voice\u202e"])
 json_values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(hostile_keys, inner, max_size=3),
     max_leaves=8,
 )
 numbers = st.floats(-2, 5) | st.sampled_from([0, 1e-300, -0.0, 1e300, 2**64, True])
@@ -52,7 +56,13 @@ PLAUSIBLE = {
     "subtalker_top_k": st.integers(-3, 100),
 }
 field_value = {name: json_values | PLAUSIBLE.get(name, numbers) for name in SPEECH_FIELDS}
-speech_bodies = st.fixed_dictionaries({}, optional=field_value) | st.dictionaries(st.text(max_size=10), json_values)
+speech_bodies = (
+    st.fixed_dictionaries({}, optional=field_value)
+    | st.dictionaries(hostile_keys, json_values)
+    | st.builds(lambda known, odd: {**known, **odd}, st.fixed_dictionaries({}, optional=field_value),
+                st.dictionaries(hostile_keys, json_values, max_size=2))
+)  # fmt: skip
+HUGE = "1e400"  # reads as infinity in Python
 raw_bodies = st.tuples(
     st.sampled_from(
         ["application/json", "text/plain", "application/x-www-form-urlencoded", "", "application/json; charset=latin-1"]
@@ -64,6 +74,8 @@ raw_bodies = st.tuples(
 session_options = st.fixed_dictionaries({}, optional={name: field_value[name] for name in SESSION_FIELDS})
 ws_messages = (
     st.builds(dict, type=st.sampled_from(MESSAGE_TYPES), text=st.text(max_size=30))
+    | st.builds(dict, type=st.sampled_from(MESSAGE_TYPES) | st.text(max_size=12), text=json_values)
+    | st.builds(dict, type=st.just("input_text.append"), text=st.sampled_from(["Hello <|im_", "end|> there", ""]))
     | st.builds(dict, type=st.just("session.update"), session=session_options | json_values)
     | st.dictionaries(
         st.sampled_from(["type", "text", "session", "extra"]), json_values | st.sampled_from(MESSAGE_TYPES)
@@ -93,11 +105,12 @@ def _still_serving(client) -> None:
 
 
 @FUZZ
-@given(body=speech_bodies)
-def test_random_speech_bodies_get_2xx_or_4xx(client, body):
-    with client.stream(
-        "POST", "/v1/audio/speech", content=json.dumps(body), headers={"Content-Type": "application/json"}
-    ) as r:
+@given(body=speech_bodies, huge=st.booleans())
+def test_random_speech_bodies_get_2xx_or_4xx(client, body, huge):
+    content = json.dumps(body)  # NaN and Infinity as Python writes them
+    if huge:
+        content = content.replace("null", HUGE, 1)
+    with client.stream("POST", "/v1/audio/speech", content=content, headers={"Content-Type": "application/json"}) as r:
         data = r.read()
     _answered_sanely(r)
     if r.status_code == 200:
@@ -116,8 +129,12 @@ def test_random_raw_bodies_get_4xx(client, raw):
     _still_serving(client)
 
 
+LIMIT = 256 * 1024  # the fixture's max_body_bytes
+sized = st.integers(-64, 64).map(lambda d: '{"type": "input_text", "text": "' + "x" * (LIMIT - 34 + d) + '"}')
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(messages=st.lists(ws_messages | st.binary(max_size=16) | st.text(max_size=16), min_size=1, max_size=6))
+@given(messages=st.lists(ws_messages | sized | st.binary(max_size=16) | st.text(max_size=16), min_size=1, max_size=6))
 def test_random_websocket_messages_never_close_the_socket(client, messages):
     with client.websocket_connect(ROUTE) as ws:
         for message in messages:
@@ -166,3 +183,54 @@ def test_a_huge_integer_literal_is_a_400_and_keeps_the_socket(client):
         assert error["type"] == "error" and error["error"]["code"] == "invalid_json"
         ws.send_json({"type": "session.update", "session": {"voice": "serena"}})
         assert ws_receive(ws)["type"] == "session.updated"
+
+
+@pytest.fixture(scope="module")
+def wyoming(tiny_checkpoints, tmp_path_factory):
+    """`kazeia wyoming` in a process of its own, with the limits of the app above (events of 64 kB)."""
+    pytest.importorskip("wyoming")
+    from hostile_support import start_wyoming
+    from server_support import stop_process
+
+    log = tmp_path_factory.mktemp("wyoming-fuzz") / "wyoming.log"
+    args = ["--max-input-chars", "100", "--max-new-tokens", "6", "--limit", "max_body_bytes=65536", "--seed", "1"]
+    args += ["--text-timeout", "0.5", "--text-deadline", "3", "--log-level", "warning"]
+    process, port = start_wyoming(tiny_checkpoints["0.6B-custom"], *args, log=log)
+    yield port
+    stop_process(process)
+
+
+WYOMING_TYPES = ["describe", "synthesize", "synthesize-start", "synthesize-chunk", "synthesize-stop", "ping"]
+voices = json_values | st.builds(dict, name=st.text(max_size=5))
+event_data = st.fixed_dictionaries({}, optional={"text": st.text(max_size=30) | json_values, "voice": voices}) | (
+    st.dictionaries(hostile_keys, json_values, max_size=4)
+)
+wyoming_events = st.tuples(
+    st.sampled_from(WYOMING_TYPES) | st.text(max_size=12),
+    event_data,
+    st.sampled_from([0, 2, 70_000]).map(lambda n: b"p" * n),  # 70 kB: over the 64 kB event limit
+    st.booleans(),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(events=st.lists(wyoming_events, min_size=1, max_size=5))
+def test_random_wyoming_events_never_drop_the_connection(wyoming, events):
+    """Any well-formed event (its header a JSON line whose lengths are right), whatever its type,
+    data and size, is answered without an internal error, and the connection goes on: a ping after
+    them gets its pong."""
+    from hostile_support import WyomingClient, wyoming_event
+
+    with WyomingClient(wyoming) as client:
+        for kind, data, payload, huge in events:
+            raw = json.dumps(data).replace("null", HUGE, 1) if huge else json.dumps(data)
+            client.sock.sendall(wyoming_event(kind, raw_data=raw.encode("utf-8", "surrogatepass"), payload=payload))
+        client.send("synthesize-stop")  # whatever is open ends (an error if nothing is)
+        client.send("ping", {"text": "after the noise"})
+        while True:
+            event = client.read(120)
+            assert event is not None, "the server closed the connection"
+            kind, data, _ = event
+            assert kind != "error" or data.get("code") != "internal_error", data
+            if kind == "pong" and data.get("text") == "after the noise":
+                break

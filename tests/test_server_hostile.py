@@ -26,6 +26,7 @@ def server(tiny_checkpoints, tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     args = ("--voices-dir", str(root / "voices"), "--log-level", "warning")
     args += ("--text-timeout", str(TEXT_TIMEOUT), "--text-deadline", str(TEXT_DEADLINE))
+    args += ("--allow-ignore-eos", "--limit", "max_uploads=2")  # the holds below use ignore_eos
     process, url = start_cli_server(tiny_checkpoints["0.6B-base"], *args, log=root / "serve.log")
     yield process, url
     stop_process(process)
@@ -128,3 +129,76 @@ def ref_voice(server):
     r = httpx.post(url + "/v1/audio/voices", data=data, files=files, timeout=60)
     assert r.status_code == 201, r.text
     return "holder"
+
+
+def _upload(url: str, name: str, audio: bytes, timeout: float = 60, **fields) -> httpx.Response:
+    files, data = {"audio": ("ref.wav", audio)}, {"name": name, **fields}
+    return httpx.post(url + "/v1/audio/voices", data=data, files=files, timeout=timeout)
+
+
+def test_uploads_are_bounded_and_leave_the_server_answering(server):
+    """Two uploads whose bodies never finish arriving hold both upload places (--limit
+    max_uploads=2): a third is a 503 at once, the voice list still answers, and once they are gone
+    uploads are taken again."""
+    import socket
+
+    from hostile_support import wait_for
+
+    _, url = server
+    port = int(url.rsplit(":", 1)[1])
+    head = (
+        b"POST /v1/audio/voices HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 1000000\r\n"
+        b"Content-Type: multipart/form-data; boundary=b\r\n\r\n--b\r\n"
+    )
+    holders = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    try:
+        for sock in holders:
+            sock.sendall(head)
+        bad_name = lambda: _upload(url, "!", _wav(16000, 48000), x_vector_only="true")  # noqa: E731
+        refused = wait_for(lambda: (r := bad_name()).status_code == 503 and r, 60, "a third upload refused")
+        assert refused.json()["error"]["code"] == "busy" and "Retry-After" in refused.headers
+        assert httpx.get(url + "/v1/audio/voices", timeout=10).status_code == 200
+    finally:
+        for sock in holders:
+            sock.close()
+    wait_for(lambda: bad_name().status_code == 400, 60, "uploads taken again")
+
+
+def test_a_megabyte_voice_name_is_refused_before_any_lookup(server):
+    """Bounded before it reaches the saved voices (or difflib's suggestions), and never echoed whole."""
+    _, url = server
+    body = {"input": "Hi.", "voice": "v" * 1_000_000}
+    r = httpx.post(url + "/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 400 and len(r.content) < 2048, (r.status_code, len(r.content))
+    assert r.json()["error"]["code"] == "string_above_max_length" and r.json()["error"]["param"] == "voice"
+
+
+def test_float_audio_far_outside_its_range_is_refused(server):
+    """A float WAV of samples around 1e20 would give a NaN x-vector and a voice failing every request."""
+    _, url = server
+    data = io.BytesIO()
+    audio = 1e20 * np.sin(np.arange(48000) / 5)
+    sf.write(data, audio.astype(np.float32), 16000, format="WAV", subtype="FLOAT")
+    r = _upload(url, "loud", data.getvalue(), x_vector_only="true")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "audio", r.text[:300]
+    assert "magnitude" in r.json()["error"]["message"]
+    assert "loud" not in httpx.get(url + "/v1/audio/voices", timeout=10).text
+
+
+def test_kazeia_serve_refuses_ignore_eos_unless_allowed(engines):
+    """The command's default: a request asking for ignore_eos is a 400 naming it; with
+    --allow-ignore-eos it is spoken."""
+    from fastapi.testclient import TestClient
+
+    from kazeia.cli import build_parser
+    from kazeia.server import create_app
+    from kazeia.server.commands import server_config
+
+    body = {"input": "Hi.", "voice": "serena", "ignore_eos": True, "max_new_tokens": 3, "response_format": "pcm"}
+    for flags, status in (([], 400), (["--allow-ignore-eos"], 200)):
+        args = build_parser().parse_args(["serve", "--model", "tiny", *flags])
+        with TestClient(create_app(engines["0.6B-custom"], server_config(args, "tiny"))) as client:
+            r = client.post("/v1/audio/speech", json=body)
+        assert r.status_code == status, r.text[:300]
+        if status == 400:
+            assert r.json()["error"]["param"] == "ignore_eos"

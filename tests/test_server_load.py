@@ -35,6 +35,7 @@ MEMORY_SLACK_KB = 48 * 1024  # allocator noise; a leak of per-request audio or t
 def server(tiny_checkpoints, tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "serve.log"
     args = ("--queue-size", str(CLIENTS), "--max-new-tokens", str(MAX_FRAMES + 1), "--log-level", "warning")
+    args += ("--allow-ignore-eos",)  # exact lengths: ignore_eos
     process, url = start_cli_server(tiny_checkpoints["0.6B-custom"], *args, log=log)
     yield process, url
     stop_process(process)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .app import create_app
 
 __all__ = ["create_app", "serve", "Limits", "ServerConfig"]
+WS_MESSAGE_ROOM = 4  # WebSocket messages the protocol reads whole, in max_body_bytes
 
 
 def __getattr__(name: str):
@@ -40,6 +41,8 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
 
     from .app import create_app
     from .guard import RedactKeys, loopback_hosts
+    from .protocols import bounded_protocols
+    from .wire import filter_logs
 
     if config.allowed_hosts is None:
         config = dataclasses.replace(config, allowed_hosts=loopback_hosts(host))
@@ -52,15 +55,19 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
         )
     app = create_app(engine, config)
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=log_level.upper())
+    http, ws = bounded_protocols(config.limits.client_stall_s)  # silent and stalled clients dropped
     settings = uvicorn.Config(  # configures uvicorn's loggers, so the filter goes on after it
         app,
         host=host,
         port=port,
+        http=http,
+        ws=ws or "auto",
         log_level=log_level,
-        ws_max_size=config.limits.max_body_bytes,
+        # A message over max_body_bytes is answered with a 413 error event on an open socket; the
+        # protocol closes (1009) only one over WS_MESSAGE_ROOM times that, which it must hold whole.
+        ws_max_size=WS_MESSAGE_ROOM * config.limits.max_body_bytes,
         limit_concurrency=config.max_connections,
         timeout_graceful_shutdown=5,  # streams still open after 5 s are cut; their jobs are cancelled
     )
-    for name in ("uvicorn.error", "uvicorn.access"):  # WebSocket paths are logged with their ?api_key=
-        logging.getLogger(name).addFilter(RedactKeys())
+    filter_logs(RedactKeys())  # WebSocket paths are logged with their ?api_key=; client text escaped
     uvicorn.Server(settings).run()

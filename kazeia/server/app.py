@@ -24,6 +24,14 @@ from .speech import router as speech_router
 from .state import build_state, server_state
 from .voices import router as voices_router
 from .websocket import router as websocket_router
+from .wire import dumps
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSON response that always encodes (server/wire.py: client text escaped, no NaN)."""
+
+    def render(self, content) -> bytes:
+        return dumps(content).encode("utf-8")
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -40,7 +48,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         finally:
             await asyncio.to_thread(worker.stop)
 
-    app = FastAPI(title="Kazeia", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="Kazeia",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        default_response_class=SafeJSONResponse,
+    )
     if config.allowed_origins:  # CORS headers for these pages only (none for any other)
         app.add_middleware(
             CORSMiddleware,
@@ -62,7 +77,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 async def _api_error(request: Request, error: ApiError) -> JSONResponse:
     route = getattr(request.scope.get("route"), "path", "unmatched")
     server_state(request).metrics.errors.inc(route=route, status=str(error.status))
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    return SafeJSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 async def _http_error(request: Request, error: HTTPException) -> JSONResponse:

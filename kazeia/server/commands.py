@@ -57,6 +57,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="another model id to answer to, besides tts-1, tts-1-hd and gpt-4o-mini-tts; repeatable",
     )
     p.add_argument("--served-model-name", help="the model id clients send (default: hub id or directory name)")
+    p.add_argument(
+        "--allow-ignore-eos",
+        action="store_true",
+        help="let requests set ignore_eos (frames past the end of speech, for benchmarks); refused otherwise",
+    )
     _server_args(p, websocket=True)
 
 
@@ -144,7 +149,36 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
         "up (e.g. 16 with --max-batch > 1 on few cores; the audio's last bits then depend on timing; "
         "default: exactly --chunk-frames)",
     )
+    p.add_argument(
+        "--limit",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set any other bound of a request (docs/server.md lists them), e.g. client_stall_s=10; repeatable",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def limit_values(given: list[str]) -> dict:
+    """`--limit NAME=VALUE` flags -> Limits fields, each value of its field's type."""
+    kinds = {name: type(value) for name, value in defaults(Limits).items()}
+    values: dict = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in kinds:
+            raise ValueError(f"--limit {item!r}: use NAME=VALUE, NAME one of: {', '.join(kinds)}")
+        try:
+            if kinds[name] is bool:
+                if value.strip().lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                values[name] = value.strip().lower() in ("true", "1", "yes", "on")
+            else:
+                values[name] = kinds[name](value)
+        except ValueError:
+            what = {int: "an integer", float: "a number", bool: "true or false"}[kinds[name]]
+            raise ValueError(f"--limit {name}: expects {what}, not {value!r}") from None
+    return values
 
 
 def port(value: str) -> int:
@@ -162,14 +196,17 @@ def server_config(args, name: str | None, **only) -> ServerConfig:
     tokens = args.max_input_tokens
     if tokens is None:
         tokens = max(default["max_input_tokens"], args.max_input_chars)
-    limits = Limits(
+    flagged = dict(
         max_input_chars=args.max_input_chars,
         max_input_tokens=tokens,
         # Room for an input of that many characters, each JSON-escaped (12 bytes: a surrogate pair).
         max_body_bytes=max(default["max_body_bytes"], 12 * args.max_input_chars),
         max_new_tokens=args.max_new_tokens,
         max_voices=args.max_voices,
+        # A Wyoming client cannot ask for options: its server's --ignore-eos is the operator's.
+        allow_ignore_eos=getattr(args, "allow_ignore_eos", True),
     )
+    limits = Limits(**{**flagged, **limit_values(args.limit)})  # --limit has the last word
     return ServerConfig(
         name,
         args.queue_size,
@@ -211,6 +248,7 @@ def wyoming(args, load: Callable, options: SynthesisOptions) -> int:
     """`kazeia wyoming`: the settings checked (`options`: every utterance's, from the flags), then
     the model loaded and served."""
     try:
+        from .wire import filter_logs
         from .wyoming import WyomingService, check_uri
     except ImportError as e:
         return missing_extra("wyoming", "wyoming", e)
@@ -224,6 +262,7 @@ def wyoming(args, load: Callable, options: SynthesisOptions) -> int:
     config = server_config(args, None)
     settings = WyomingSettings(options, args.idle_timeout)
     logging.basicConfig(format="%(levelname)s: %(name)s: %(message)s", level=args.log_level.upper())
+    filter_logs()  # client text in a log line is escaped (server/wire.py)
     service = WyomingService(load(args), config, settings)
     asyncio.run(service.run(args.uri, args.zeroconf))
     return 0

@@ -38,9 +38,17 @@ class Limits:
     max_positions: int = 8192
     max_buffered_bytes: int = 8 << 20  # encoded audio an utterance may hold for a client that reads slowly
     max_response_bytes: int = 64 << 20  # the whole audio of a `stream: false` response (~11 min of WAV)
-    client_stall_s: float = 30.0  # a client that takes none of it for this long is cancelled as if gone
+    # A client that takes none of its audio for this long is cancelled as if gone, and its connection
+    # dropped; so is a connection that sends no request (HTTP) for this long.
+    client_stall_s: float = 30.0
+    max_body_s: float = 120.0  # seconds a request body (a voice upload too) may take to arrive in all
+    max_field_chars: int = 256  # length of every other string field (voice, language, model, formats...)
+    max_uploads: int = 2  # voice uploads read or encoded at once; one more gets 503
     max_voices: int = 256  # saved voices in the voices directory
     max_voices_bytes: int = 512 << 20  # their files' total size
+    # Whether a request may set ignore_eos (exactly max_new_tokens - 1 frames a segment, for
+    # benchmarks). `kazeia serve` refuses it unless started with --allow-ignore-eos.
+    allow_ignore_eos: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,19 +62,24 @@ class Limits:
             "max_ref_text_tokens",
             "max_buffered_bytes",
             "max_response_bytes",
+            "max_field_chars",
+            "max_uploads",
             "max_voices",
             "max_voices_bytes",
         ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_new_tokens < 2:
             raise ValueError(f"max_new_tokens must be >= 2, got {self.max_new_tokens!r}")
         if not self.max_temperature > 0 or not self.max_repetition_penalty > 0:
             raise ValueError("max_temperature and max_repetition_penalty must be > 0")
         if not self.max_reference_s > 0:
             raise ValueError(f"max_reference_s must be > 0, got {self.max_reference_s!r}")
-        if not self.client_stall_s > 0:
-            raise ValueError(f"client_stall_s must be > 0, got {self.client_stall_s!r}")
+        for name in ("client_stall_s", "max_body_s"):
+            _check_seconds(name, getattr(self, name))
+        if not isinstance(self.allow_ignore_eos, bool):
+            raise ValueError(f"allow_ignore_eos must be True or False, got {self.allow_ignore_eos!r}")
         if self.max_positions < self.max_new_tokens:
             raise ValueError(
                 f"max_positions ({self.max_positions}) must be at least max_new_tokens ({self.max_new_tokens})"
@@ -144,8 +157,11 @@ class ServerConfig:
                 raise ValueError(
                     f"allowed origin {origin!r} must be '*' or scheme://host[:port], e.g. https://app.example"
                 )
-        if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or len(key) < 8):
             raise ValueError("api_key must be a string of at least 8 characters")
+        if key is not None and any(c.isspace() or not c.isprintable() for c in key):
+            raise ValueError("api_key must hold no spaces or control characters (it travels in a header)")
         if not isinstance(self.voices_dir, (str, os.PathLike)) or not str(self.voices_dir).strip():
             raise ValueError(f"voices_dir must be a directory path, got {self.voices_dir!r}")
 

@@ -49,6 +49,11 @@ class AudioEncoder:
         """The bytes that end the stream."""
         return b""
 
+    @property
+    def held(self) -> int:
+        """Encoded bytes kept back, not yet returned (FLAC: the whole file until `finish`)."""
+        return 0
+
 
 class WavEncoder(AudioEncoder):
     def header(self) -> bytes:
@@ -71,44 +76,57 @@ def wav_header(sample_rate: int, data_bytes: int) -> bytes:
 
 
 class _Sink:
-    """A seekable in-memory file for libsndfile that remembers how much of it has been sent.
+    """A seekable in-memory file for libsndfile that keeps only the bytes not yet sent.
 
     libsndfile rewrites a few header bytes when it closes a file (FLAC's STREAMINFO, MP3's tag
     frame); bytes already sent stay as they were, which is why those formats are set up so that
-    the stream is valid without the rewrite (CBR MP3) or is sent only at the end (FLAC).
+    the stream is valid without the rewrite (CBR MP3) or is sent only at the end (FLAC). So once
+    bytes are sent (`unsent`) they are dropped: a rewrite of them is ignored, a read gives zeros,
+    and a streamed utterance holds a page or a frame of encoded audio, not all of it.
     """
 
     def __init__(self) -> None:
-        self.data = bytearray()
-        self.position = 0
-        self.sent = 0
+        self.data = bytearray()  # the file's bytes from `base` on
+        self.base = 0  # bytes sent and dropped before `data`
+        self.position = 0  # in the whole file
 
     def write(self, chunk) -> int:
         chunk = bytes(chunk)
-        end = self.position + len(chunk)
-        if end > len(self.data):
-            self.data.extend(bytes(end - len(self.data)))
-        self.data[self.position : end] = chunk
+        written, start, end = len(chunk), self.position, self.position + len(chunk)
         self.position = end
-        return len(chunk)
+        if end <= self.base:
+            return written  # rewrites bytes already sent
+        if start < self.base:
+            chunk, start = chunk[self.base - start :], self.base
+        if end - self.base > len(self.data):
+            self.data.extend(bytes(end - self.base - len(self.data)))
+        self.data[start - self.base : end - self.base] = chunk
+        return written
 
     def read(self, size: int = -1) -> bytes:
-        end = len(self.data) if size < 0 else min(len(self.data), self.position + size)
-        chunk = bytes(self.data[self.position : end])
-        self.position = max(self.position, end)
-        return chunk
+        size = self.size - self.position if size < 0 else min(size, max(0, self.size - self.position))
+        start = self.position
+        self.position += size
+        dropped = bytes(max(0, min(self.base, start + size) - start))  # bytes sent read back as zeros
+        return dropped + bytes(self.data[max(start, self.base) - self.base : start + size - self.base])
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self.position, len(self.data))[whence]
+        base = (0, self.position, self.size)[whence]
         self.position = base + offset
         return self.position
 
     def tell(self) -> int:
         return self.position
 
+    @property
+    def size(self) -> int:
+        return self.base + len(self.data)
+
     def unsent(self) -> bytes:
-        chunk = bytes(self.data[self.sent :])
-        self.sent = len(self.data)
+        """The bytes written since the last call, which are then dropped."""
+        chunk = bytes(self.data)
+        self.base += len(self.data)
+        self.data = bytearray()
         return chunk
 
 
@@ -131,6 +149,10 @@ class SoundfileEncoder(AudioEncoder):
     def finish(self) -> bytes:
         self._file.close()
         return self._sink.unsent()
+
+    @property
+    def held(self) -> int:
+        return len(self._sink.data)
 
 
 @dataclass(frozen=True)

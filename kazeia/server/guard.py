@@ -23,10 +23,11 @@ import ipaddress
 import json
 import logging
 import re
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote_plus, urlsplit
 
 from .config import ServerConfig
 from .errors import ApiError
+from .wire import text
 
 PUBLIC_PATHS = ("/", "/health")  # no key needed: the demo page (static, no data) and liveness probes
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -69,7 +70,7 @@ class AccessGuard:
         if error is None:
             await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
+            await send({"type": "websocket.close", "code": 1008, "reason": close_reason(error.message)})
         else:
             await _respond(send, error)
 
@@ -103,28 +104,47 @@ class AccessGuard:
         return urlsplit(origin).netloc.lower() == host.lower() != ""  # the server's own pages
 
     def _key_given(self, scope, headers: dict[str, str]) -> bool:
+        """Whether the request carries the key: the bytes of a Bearer token (headers are read as
+        latin-1, so a key beyond ASCII arrives as its UTF-8 bytes), or of the `api_key` query value
+        (percent-decoded) of a WebSocket, equal to the key's UTF-8 bytes."""
         assert self.key is not None
-        given = ""
+        given = b""
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer":
-            given = token.strip()
+            given = token.strip().encode("latin-1")
         elif scope["type"] == "websocket":
-            given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key", [""])[0]
-        return hmac.compare_digest(given.encode(), self.key)
+            query = scope.get("query_string", b"").decode("latin-1")
+            given = parse_qs(query, encoding="latin-1").get("api_key", [""])[0].encode("latin-1")
+        return hmac.compare_digest(given, self.key)
 
 
 class RedactKeys(logging.Filter):
-    """Replace `api_key=...` in log lines (uvicorn logs WebSocket paths with their query) by ***."""
+    """Replace the value of every `api_key` query parameter in log lines (uvicorn logs WebSocket
+    paths with their query) by ***, however its name is spelled (`api%5Fkey` decodes to it too)."""
 
-    PATTERN = re.compile(r"(api_key=)[^&\s\"']+", re.IGNORECASE)
+    PAIR = re.compile(r"(?<=[?&\s\"'])([^=&?\s\"']+)=([^&\s\"']*)")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.args:
-            args = record.args if isinstance(record.args, tuple) else (record.args,)
-            record.args = tuple(self.PATTERN.sub(r"\1***", a) if isinstance(a, str) else a for a in args)
+        if isinstance(record.args, tuple):
+            record.args = tuple(self.redact(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: self.redact(a) if isinstance(a, str) else a for k, a in record.args.items()}
         if isinstance(record.msg, str):
-            record.msg = self.PATTERN.sub(r"\1***", record.msg)
+            record.msg = self.redact(record.msg)
         return True
+
+    @classmethod
+    def redact(cls, line: str) -> str:
+        def pair(match: re.Match) -> str:
+            name = unquote_plus(match.group(1), encoding="latin-1").lower()
+            return f"{match.group(1)}=***" if name == "api_key" else match.group(0)
+
+        return cls.PAIR.sub(pair, " " + line)[1:]
+
+
+def close_reason(message: str) -> str:
+    """A WebSocket close reason: at most 123 bytes of UTF-8, client text escaped (wire.py)."""
+    return text(message).encode("utf-8")[:120].decode("utf-8", "ignore")
 
 
 async def _respond(send, error: ApiError) -> None:

@@ -23,6 +23,7 @@ from .bodies import check_length, check_tokens, refuse_unknown
 from .config import Limits, ServerConfig
 from .errors import ApiError, from_engine
 from .formats import UNSUPPORTED, AudioFormat
+from .wire import shown
 
 if TYPE_CHECKING:
     from .store import VoiceStore
@@ -57,11 +58,13 @@ def speech_body(
 ) -> SpeechBody:
     refuse_unknown(body, SPEECH_FIELDS)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {shown(model)}", param="model")
     if model is not None and model != config.model_name and model not in config.model_aliases:
         aliases = f" (also answering to {', '.join(config.model_aliases)})" if config.model_aliases else ""
         raise ApiError(
             404,
-            f"unknown model {model!r}; this server serves {config.model_name!r}{aliases}",
+            f"unknown model {shown(model)}; this server serves {config.model_name!r}{aliases}",
             param="model",
             code="model_not_found",
         )
@@ -95,6 +98,14 @@ def session_options(body: dict, engine: Engine, limits: Limits, voices: VoiceSto
     if check:
         refuse_unknown(body, SESSION_FIELDS, "session")
     options = {name: body[name] for name in ENGINE_FIELDS if name in body and body[name] is not None}
+    if options.get("ignore_eos") is True and not limits.allow_ignore_eos:
+        raise ApiError(
+            400,
+            "ignore_eos is not offered by this server (it makes frames past the end of speech, for "
+            "benchmarks; a server started with --allow-ignore-eos takes it)",
+            param="ignore_eos",
+            code="unsupported_parameter",
+        )
     options["voice"] = _voice(body.get("voice"))
     options["instruct"] = _string(body, "instructions", limits.max_instructions_chars)
     _apply_limits(options, limits)
@@ -133,6 +144,8 @@ def prepare(
         )
     )
     check_tokens("instructions", len(request.cond.instruct_ids or ()), limits.max_instructions_tokens)
+    if request.live is not None:  # a live text is held to the same tokens as it arrives
+        request.live.max_tokens = limits.max_input_tokens
     return request
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -28,7 +27,8 @@ from .errors import ApiError
 from .metrics import ServerMetrics
 from .params import speech_body
 from .state import server_state
-from .worker import Busy, Job, Outcome, segment_fields
+from .wire import dumps
+from .worker import Busy, Job, Outcome, Worker, segment_fields
 
 ROUTE = "/v1/audio/speech"
 router = APIRouter()
@@ -39,17 +39,20 @@ async def speech(request: Request) -> Response:
     s = server_state(request)
     s.metrics.requests.inc(route=ROUTE)
     require_json(request)
-    body = json_object(await read_body(request, s.config.limits.max_body_bytes))
-    parsed = speech_body(body, s.engine, s.config, s.formats, s.voices)
-    encoder = parsed.audio_format.make()
     limits = s.config.limits
-    job = Job(
-        parsed.request, encoder, asyncio.get_running_loop(), None, limits.max_buffered_bytes, limits.client_stall_s
-    )
+    raw = await read_body(request, limits.max_body_bytes, limits.max_body_s)
+    body = json_object(raw, max_chars=limits.max_field_chars)
+    _refuse_if_full(s.worker)  # before the work of preparing it
+    # Tokenizing and planning a long text, loading a saved voice: off the event loop.
+    parsed = await asyncio.to_thread(speech_body, body, s.engine, s.config, s.formats, s.voices)
+    encoder = parsed.audio_format.make()
+    # What an encoder keeps back (FLAC's whole file) is bounded as the whole answer is.
+    loop, held = asyncio.get_running_loop(), limits.max_response_bytes
+    job = Job(parsed.request, encoder, loop, None, limits.max_buffered_bytes, limits.client_stall_s, held)
     try:
         s.worker.submit(job)
     except Busy as busy:
-        raise ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)}) from None
+        raise _queue_full(busy) from None
     headers = {"Cache-Control": "no-store", "X-Kazeia-Seed": str(parsed.request.seed)}
     if not parsed.stream:
         watch = asyncio.create_task(_cancel_when_gone(request, job))
@@ -67,6 +70,17 @@ async def speech(request: Request) -> Response:
     return _JobResponse(job, audio, media_type=parsed.audio_format.media_type, headers=headers)
 
 
+def _refuse_if_full(worker: Worker) -> None:
+    try:
+        worker.check_room()
+    except Busy as busy:
+        raise _queue_full(busy) from None
+
+
+def _queue_full(busy: Busy) -> ApiError:
+    return ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)})
+
+
 async def _cancel_when_gone(request: Request, job: Job) -> None:
     """A whole (`stream: false`) response is made before anything is sent, so nothing notices a
     client that leaves: poll for it, and cancel its job then (freeing the worker)."""
@@ -75,16 +89,34 @@ async def _cancel_when_gone(request: Request, job: Job) -> None:
     job.cancel()
 
 
+class _Cut(Exception):
+    """Raised by a body's iterator: the answer ends here, without the terminator of a complete one."""
+
+
 class _JobResponse(StreamingResponse):
-    """A streamed body that cancels its job however the response ends (done, error, client gone)."""
+    """A streamed body that cancels its job however the response ends (done, error, client gone).
+    A body cut short (its generation failed or was cancelled after the status line went out) ends
+    without the chunked terminator: the client sees an incomplete body, never a complete answer."""
 
     def __init__(self, job: Job, content: AsyncIterator, **kwargs):
-        super().__init__(content, **kwargs)
-        self.job = job
+        super().__init__(self._until_cut(content), **kwargs)
+        self.job, self.cut = job, False
+
+    async def _until_cut(self, content: AsyncIterator) -> AsyncIterator:
+        try:
+            async for chunk in content:
+                yield chunk
+        except _Cut:
+            self.cut = True
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_unless_cut(message) -> None:
+            if self.cut and message["type"] == "http.response.body" and not message.get("more_body", False):
+                return  # uvicorn closes a response left incomplete: the body is cut
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_unless_cut)
         finally:
             self.job.cancel()  # a no-op once the job has finished
 
@@ -105,8 +137,9 @@ async def _whole(job: Job, header: bytes, limit: int, metrics: ServerMetrics) ->
             pieces.append(item)
         elif isinstance(item, Outcome):
             if item.status != "completed":
-                metrics.errors.inc(route=ROUTE, status="500")
-                raise ApiError(500, f"generation {item.status}: {item.error}", code="internal_error")
+                error = _unfinished(job, item)
+                metrics.errors.inc(route=ROUTE, status=str(error.status))
+                raise error
             return b"".join(pieces), item
     raise ApiError(500, "generation ended without an outcome", code="internal_error")
 
@@ -116,9 +149,9 @@ async def _audio(job: Job, header: bytes, metrics: ServerMetrics) -> AsyncIterat
         yield header
     async for item in job.outcomes():
         if isinstance(item, Outcome):
-            if item.status == "failed":  # the status line is out: cutting the body is the only signal left
-                metrics.errors.inc(route=ROUTE, status="500")
-                raise RuntimeError(f"utterance {job.id} failed: {item.error}")
+            if item.status != "completed":  # the status line is out: cutting the body is the only signal left
+                metrics.errors.inc(route=ROUTE, status=str(_unfinished(job, item).status))
+                raise _Cut
             return
         if isinstance(item, bytes):
             yield item
@@ -132,9 +165,9 @@ async def _sse(job: Job, header: bytes, input_tokens: int, metrics: ServerMetric
             pending = b""
         elif not isinstance(item, Outcome):  # a segment whose audio is out
             yield _event({"type": "speech.segment", **segment_fields(item)})
-        elif item.status == "failed":
-            metrics.errors.inc(route=ROUTE, status="500")
-            error = ApiError(500, f"generation failed: {item.error}", code="internal_error")
+        elif item.status != "completed":
+            error = _unfinished(job, item)
+            metrics.errors.inc(route=ROUTE, status=str(error.status))
             yield _event({"type": "error", **error.body()})
         else:
             if pending:
@@ -146,5 +179,19 @@ async def _sse(job: Job, header: bytes, input_tokens: int, metrics: ServerMetric
             yield _event({**done, "segments": segments})
 
 
+def _unfinished(job: Job, outcome: Outcome) -> ApiError:
+    """Why an utterance ended before its audio did: it failed, its client took none of its audio
+    for client_stall_s, or it was cancelled (the server is shutting down)."""
+    if outcome.error_code == "response_too_large":
+        message = f"{outcome.error}; stream it in another format instead"
+        return ApiError(413, message, param="response_format", code="response_too_large")
+    if outcome.status == "failed":
+        return ApiError(500, f"generation failed: {outcome.error}", code="internal_error")
+    if job.stalled:
+        message = f"the client took none of its audio for {job.stall_s:g} s; the utterance was cut"
+        return ApiError(408, message, code="client_stalled")
+    return ApiError(503, "the utterance was cancelled before its end (the server is stopping)", code="cancelled")
+
+
 def _event(data: dict) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(data)}\n\n"

@@ -5,6 +5,7 @@ both speak through the same kind of worker: one thread, one bounded queue, cance
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from starlette.requests import HTTPConnection
@@ -25,6 +26,7 @@ class ServerState:
     metrics: ServerMetrics
     formats: dict[str, AudioFormat]  # the response formats this libsndfile can encode
     voices: VoiceStore | None  # Base checkpoints: the saved voices; None for the others
+    uploads: asyncio.Semaphore  # voice uploads being read or encoded (Limits.max_uploads at once)
 
 
 def server_state(connection: HTTPConnection) -> ServerState:
@@ -38,4 +40,5 @@ def build_state(engine: Engine, config: ServerConfig) -> ServerState:
     voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
     metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
     worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch)
-    return ServerState(engine, config, worker, metrics, available_formats(), voices)
+    uploads = asyncio.Semaphore(config.limits.max_uploads)
+    return ServerState(engine, config, worker, metrics, available_formats(), voices, uploads)

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..audio import ReferenceLimitError
@@ -61,7 +62,10 @@ class VoiceStore:
         self.directory, self.engine, self.limits = directory, engine, limits
         self._lock = threading.Lock()  # the cache and the names being created
         self._creating: set[str] = set()
-        self._encoding = threading.Lock()  # one reference audio encoded at a time
+        # One reference audio encoded at a time, in a thread of its own: an upload waiting for its
+        # turn holds none of the event loop's helper threads (voice lists, shutdown use them).
+        self.encoder = ThreadPoolExecutor(1, thread_name_prefix="kazeia-voices")
+        self._encoding = threading.Lock()  # (and one at a time when `create` is called otherwise)
         self._cache: dict[str, tuple[tuple[int, int, int], Voice]] = {}
 
     def path(self, name: str) -> Path:
@@ -145,7 +149,8 @@ class VoiceStore:
         return {**entry, "ref_text": voice.ref_text, "ref_frames": voice.ref_frames, "created": created}
 
     def create(self, name: str, audio: bytes, ref_text: str | None, x_vector_only: bool) -> dict:
-        """Clone and save a voice (blocking: run it in a thread); 409 if the name is taken."""
+        """Clone and save a voice (blocking: run it in `self.encoder`, one at a time); 409 if the
+        name is taken."""
         with self._lock:
             if name in self._creating or self.path(name).exists():
                 raise _exists(name)

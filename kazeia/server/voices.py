@@ -12,8 +12,7 @@ import asyncio
 from urllib.parse import parse_qsl
 
 import python_multipart  # noqa: F401  (needed by Starlette's form parser: fail at import, not at upload)
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request, Response
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -21,6 +20,7 @@ from .bodies import read_body, refuse_unknown
 from .errors import ApiError
 from .state import server_state
 from .store import ROUTE, voice_name
+from .wire import dumps
 
 router = APIRouter()
 UPLOAD_FIELDS = ("name", "audio", "ref_text", "x_vector_only")
@@ -49,7 +49,7 @@ async def voices(request: Request) -> dict:
 
 
 @router.post(ROUTE)
-async def create_voice(request: Request) -> JSONResponse:
+async def create_voice(request: Request) -> Response:
     s = server_state(request)
     if s.voices is None:
         raise ApiError(
@@ -65,10 +65,21 @@ async def create_voice(request: Request) -> JSONResponse:
             "ref_text and x_vector_only",
             code="unsupported_media_type",
         )
-    body = await read_body(request, s.config.limits.max_upload_bytes)
-    name, audio, ref_text, x_vector_only = await _upload(request, body)
-    entry = await asyncio.to_thread(s.voices.create, name, audio, ref_text, x_vector_only)
-    return JSONResponse(entry, status_code=201)
+    limits = s.config.limits
+    if s.uploads.locked():  # each holds its body (up to max_upload_bytes) until it is encoded
+        raise ApiError(
+            503,
+            f"{limits.max_uploads} voice uploads are under way; try again shortly",
+            code="busy",
+            headers={"Retry-After": "5"},
+        )
+    async with s.uploads:
+        body = await read_body(request, limits.max_upload_bytes, limits.max_body_s)
+        name, audio, ref_text, x_vector_only = await _upload(request, body)
+        del body
+        loop = asyncio.get_running_loop()
+        entry = await loop.run_in_executor(s.voices.encoder, s.voices.create, name, audio, ref_text, x_vector_only)
+    return Response(dumps(entry), status_code=201, media_type="application/json")
 
 
 @router.delete(ROUTE + "/{name}")

@@ -37,6 +37,7 @@ from fastapi import APIRouter
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..audio import SAMPLE_RATE
+from ..errors import check_text
 from ..live import TextFeed
 from ..request import Request
 from .bodies import json_object, refuse_unknown
@@ -44,6 +45,7 @@ from .errors import ApiError
 from .formats import AudioEncoder
 from .params import check_length, prepare, session_options
 from .state import ServerState, server_state
+from .wire import dumps
 from .worker import Busy, Job, Outcome, segment_fields
 
 ROUTE = "/v1/audio/speech/stream"
@@ -102,7 +104,7 @@ class _Session:
             if isinstance(message, bytes):
                 await self.socket.send_bytes(message)
             else:
-                await self.socket.send_json(message)
+                await self.socket.send_text(dumps(message))
 
     async def error(self, error: ApiError, utterance: int | None = None) -> None:
         self.metrics.errors.inc(route=ROUTE, status=str(error.status))
@@ -114,9 +116,9 @@ class _Session:
         if raw is None:
             raise ApiError(400, "send JSON text messages; binary messages are not accepted", code="invalid_message")
         limit = self.config.limits.max_body_bytes
-        if len(raw) > limit:
+        if len(raw) > limit or len(raw.encode("utf-8", "surrogatepass")) > limit:
             raise ApiError(413, f"the message is over the limit of {limit} bytes", code="body_too_large")
-        body = json_object(raw, "message")
+        body = json_object(raw, "message", self.config.limits.max_field_chars)
         kind = body.get("type")
         if kind not in MESSAGE_TYPES:
             raise ApiError(
@@ -129,7 +131,7 @@ class _Session:
         if kind == "session.update":
             await self.update(body.get("session"))
         elif kind == "input_text":
-            self.accept_text(body.get("text"))
+            await self.accept_text(body.get("text"))
         elif kind == "input_text.append":
             await self.append(body.get("text"))
         elif kind == "input_text.end":
@@ -140,27 +142,31 @@ class _Session:
     async def update(self, session) -> None:
         if not isinstance(session, dict):
             raise ApiError(400, "session must be a JSON object of options", param="session")
-        self.options = session_options(session, self.engine, self.config.limits, self.voices)
+        # (a saved voice is loaded to check it: off the event loop)
+        self.options = await asyncio.to_thread(session_options, session, self.engine, self.config.limits, self.voices)
         shown = {("instructions" if k == "instruct" else k): v for k, v in self.options.items() if v is not None}
         await self.send({"type": "session.updated", "session": shown})
 
-    def accept_text(self, text) -> None:
-        """`input_text`: one whole utterance."""
+    async def accept_text(self, text) -> None:
+        """`input_text`: one whole utterance (tokenized and planned off the event loop)."""
         self._check_text(text, len(text) if isinstance(text, str) else 0)
         self._admit()
-        self._enqueue(prepare(self.engine, text, self.options, self.voices, self.config))
+        self._enqueue(await self._prepare(text))
 
     async def append(self, text) -> None:
         """`input_text.append`: more text for the open utterance, or the first text of a new one."""
+        self._check_text(text, 0)
+        try:
+            check_text("text", text)  # not valid Unicode: this delta is refused, the utterance goes on
+        except ValueError as error:
+            raise ApiError(400, str(error), param="text") from None
         utterance = self.open
         if utterance is None:
-            self._check_text(text, len(text) if isinstance(text, str) else 0)
+            self._check_text(text, len(text))
             self._admit()
             feed = TextFeed()
-            utterance = self._enqueue(prepare(self.engine, feed, self.options, self.voices, self.config), feed)
+            utterance = self._enqueue(await self._prepare(feed), feed)
             self.open = utterance
-        elif not isinstance(text, str):
-            raise ApiError(400, "text must be a string", param="text")
         if utterance.over:
             return  # its audio has ended: the rest of its text is dropped (see the module docstring)
         try:
@@ -205,6 +211,9 @@ class _Session:
         elif utterance.job is not None:
             utterance.job.cancel()  # speak() drops the rest of its audio and its outcome
         await self.error(error, utterance.number)
+
+    async def _prepare(self, text: str | TextFeed) -> Request:
+        return await asyncio.to_thread(prepare, self.engine, text, self.options, self.voices, self.config)
 
     def _check_text(self, text, length: int) -> None:
         if not isinstance(text, str):

@@ -86,6 +86,13 @@ class JobRecord:
     frames_at_cancel: int | None  # frames produced when the job was cancelled (None: not cancelled)
 
 
+class ResponseTooLarge(Exception):
+    """The encoded audio an encoder keeps back has grown over the job's `max_held` bytes."""
+
+    def __init__(self, held: int, limit: int):
+        super().__init__(f"the encoded audio is over this server's limit of {limit} bytes held for one answer")
+
+
 class Busy(Exception):
     """The queue is full; `retry_after` is a whole number of seconds to wait."""
 
@@ -111,6 +118,7 @@ class Job:
         arrived: float | None = None,
         max_buffered: int = 8 << 20,
         stall_s: float = 30.0,
+        max_held: int | None = None,
     ):
         self.id = next(_ids)
         self.request, self.encoder, self.loop = request, encoder, loop
@@ -121,26 +129,38 @@ class Job:
         self.stream: SpeechStream | None = None  # set by the worker when generation starts
         self.stalled = False  # cancelled because the client stopped taking its audio
         self.max_buffered, self.stall_s = max_buffered, stall_s
+        # Encoded bytes its encoder may keep back (FLAC holds its whole file until the end; None:
+        # max_buffered): over it the job fails with `response_too_large` as soon as it is.
+        self.max_held = max_buffered if max_held is None else max_held
         self._buffered = 0  # bytes handed to the event loop and not yet taken by the client
         self._waited = 0.0  # seconds the worker has spent waiting for room, in all
         self._room = threading.Condition()
         self._cancelled = threading.Event()
-        # Held while the worker makes the stream and names it, and while a cancel reads its frame
-        # count: frames the stream's thread makes before it is named are counted, not taken for 0.
-        self.starting = threading.Lock()
+        # Held only to set the cancel flag and read the frame count, or to name the stream (never
+        # while one is made: that may decode an ICL voice's reference, and cancel runs on the loop).
+        self._naming = threading.Lock()
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
     def cancel(self) -> None:
-        """Stop this job: before its next frame if it is generating, at once if it is waiting."""
+        """Stop this job: before its next frame if it is generating, at once if it is waiting.
+        Never waits for the worker (it is called on the event loop)."""
         if self.finished or self._cancelled.is_set():
             return
-        with self.starting:
+        with self._naming:
             self._cancelled.set()  # first, so at most one frame can follow the count read below
             stream = self.stream
             self.frames_at_cancel = stream.frames_generated if stream is not None else 0
+
+    def started(self, stream: SpeechStream) -> None:
+        """From the worker: the job's stream, once made. Cancelled while it was being made, its
+        frame count is read now: the frames its thread made before it was named are counted."""
+        with self._naming:
+            self.stream = stream
+            if self._cancelled.is_set():
+                self.frames_at_cancel = stream.frames_generated
 
     async def outcomes(self) -> AsyncIterator[bytes | Segment | Outcome]:
         """On the event loop: the job's bytes and ended segments as they come, then its Outcome;
@@ -222,6 +242,11 @@ class Worker:
         for thread in self._threads:
             thread.start()
 
+    def check_room(self) -> None:
+        """Busy if a job submitted now would be refused (nothing is reserved: submit may still be)."""
+        if self._jobs.full():
+            raise Busy(self.retry_after())
+
     def submit(self, job: Job) -> None:
         with self._lock:
             try:
@@ -291,14 +316,15 @@ class Worker:
         samples, ttfb = 0, None
         try:
             stop = lambda: job.cancelled  # noqa: E731
-            with job.starting:
-                stream = self.engine.stream_request(job.request, self.schedule, stop, scheduler=self.scheduler)
-                job.stream = stream
+            stream = self.engine.stream_request(job.request, self.schedule, stop, scheduler=self.scheduler)
+            job.started(stream)
             with stream:
                 for chunk in stream:
                     if job.cancelled:
                         break
                     data = job.encoder.encode(chunk.audio)
+                    if job.encoder.held > job.max_held:
+                        raise ResponseTooLarge(job.encoder.held, job.max_held)
                     samples += len(chunk.audio)
                     if ttfb is None and chunk.frames:
                         ttfb = time.perf_counter() - job.arrived
@@ -355,9 +381,12 @@ class Worker:
 
 def _error_code(error: Exception, live: bool) -> str | None:
     """Live text can fail on the client's account: it stopped arriving, or the engine refused it
-    (e.g. only whitespace). Everything else is an internal error."""
+    (e.g. only whitespace); so can an answer that grows over its bound. Everything else is an
+    internal error."""
     if isinstance(error, TextTimeout):
         return "text_timeout"
+    if isinstance(error, ResponseTooLarge):
+        return "response_too_large"
     if live and isinstance(error, ValueError):
         return "invalid_text"
     return None

@@ -47,8 +47,9 @@ from .errors import ApiError, from_engine
 from .formats import AudioEncoder
 from .params import prepare
 from .state import build_state
+from .wire import clean
 from .worker import Busy, Job, Outcome
-from .wyoming_info import Catalog, WyomingSettings, read_event
+from .wyoming_info import Catalog, WyomingSettings, announce, read_event
 
 log = logging.getLogger("kazeia.wyoming")
 WIDTH, CHANNELS = 2, 1  # bytes per sample, channels: the one audio format of every utterance
@@ -86,7 +87,7 @@ class WyomingService:
         self.worker.start()
         try:
             if zeroconf is not None:
-                await _announce(uri, zeroconf)
+                await announce(uri, zeroconf)
             log.info("Wyoming server on %s (%s)", uri, self.config.model_name)
             await server.run(self.handler)
         finally:
@@ -130,7 +131,8 @@ class Connection(AsyncEventHandler):
                     self._idle = scope
                     self._rearm()
                     try:
-                        event = await read_event(self.reader, self.config.limits.max_body_bytes)
+                        limits = self.config.limits
+                        event = await read_event(self.reader, limits.max_body_bytes, limits.max_field_chars)
                     except ApiError as error:
                         event = error
                     except asyncio.IncompleteReadError:  # the client left halfway through an event
@@ -150,7 +152,7 @@ class Connection(AsyncEventHandler):
         finally:
             service.connections -= 1
             await self.disconnect()
-            self.writer.close()
+            self._release()
 
     async def handle_event(self, event: Event) -> bool:
         try:
@@ -179,10 +181,23 @@ class Connection(AsyncEventHandler):
             await asyncio.gather(self._relay, return_exceptions=True)
 
     async def _send(self, event: Event) -> None:
-        """Write one event; a client that takes none of it for client_stall_s is treated as gone."""
+        """Write one event; a client that takes none of it for client_stall_s is treated as gone:
+        its connection is dropped at once (TimeoutError), unsent bytes and all."""
+        event = Event(event.type, clean(event.data), event.payload)  # client text escaped (wire.py)
         async with self._send_lock:
-            with anyio.fail_after(self.config.limits.client_stall_s):
-                await async_write_event(event, self.writer)
+            try:
+                with anyio.fail_after(self.config.limits.client_stall_s):
+                    await async_write_event(event, self.writer)
+            except TimeoutError:
+                self.writer.transport.abort()  # close() would wait for the client to read them
+                raise
+
+    def _release(self) -> None:
+        """Close the connection once what was written is sent, within client_stall_s: a client that
+        stops reading cannot hold its socket (and the bytes written for it) any longer."""
+        self.writer.close()
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.config.limits.client_stall_s, self.writer.transport.abort)
 
     async def _error(self, error: ApiError) -> None:
         await self._send(Error(_wyoming_text(error.message), error.code).event())
@@ -192,7 +207,7 @@ class Connection(AsyncEventHandler):
             await self._send(error.event())
         except (ConnectionError, TimeoutError):
             pass
-        self.writer.close()
+        self._release()
 
     def _rearm(self) -> None:
         """Restart the idle clock of the read under way: none while an utterance is generating."""
@@ -217,15 +232,19 @@ class Connection(AsyncEventHandler):
         if not isinstance(text, str):
             raise ApiError(400, "synthesize needs text, a string", param="text", code="missing_parameter")
         check_length("text", len(text), self.config.limits.max_input_chars)
-        request = prepare(self.service.engine, text, self.catalog.options(data), self.service.state.voices, self.config)
+        request = await self._prepare(text, data)
         utterance = _Utterance(request)
-        await self._begin(utterance)
-        self.utterance = utterance
+        self.utterance = utterance  # from now on a client that leaves cancels it (disconnect)
+        try:
+            await self._begin(utterance)
+        except ApiError:
+            self.utterance = None
+            raise
 
     async def _synthesize_start(self, data: dict) -> None:
         self._refuse_if_busy("synthesize-start")
         feed = TextFeed()
-        request = prepare(self.service.engine, feed, self.catalog.options(data), self.service.state.voices, self.config)
+        request = await self._prepare(feed, data)
         self.utterance = _Utterance(request, feed)
 
     async def _synthesize_chunk(self, data: dict) -> None:
@@ -261,6 +280,16 @@ class Connection(AsyncEventHandler):
             await self._fail(utterance, ApiError(400, "text is empty", param="text"))
         await self._finish(utterance)
 
+    async def _prepare(self, text: str | TextFeed, data: dict) -> Request:
+        """The request of a synthesize or synthesize-start event, made off the event loop (it
+        tokenizes and plans a text, and may read a saved voice)."""
+        service = self.service
+
+        def prepared() -> Request:
+            return prepare(service.engine, text, self.catalog.options(data), service.state.voices, self.config)
+
+        return await asyncio.to_thread(prepared)
+
     def _refuse_if_busy(self, kind: str) -> None:
         current = self.utterance
         if current is None:
@@ -286,7 +315,11 @@ class Connection(AsyncEventHandler):
         except Busy as busy:
             raise ApiError(503, str(busy), code="queue_full") from None
         utterance.job = job
-        await self._send(AudioStart(SAMPLE_RATE, WIDTH, CHANNELS, timestamp=0).event())
+        try:
+            await self._send(AudioStart(SAMPLE_RATE, WIDTH, CHANNELS, timestamp=0).event())
+        except BaseException:  # the client is gone or not reading: the job must not run on for nobody
+            job.cancel()
+            raise
         self._relay = asyncio.create_task(self._speak(utterance, job))
 
     async def _speak(self, utterance: _Utterance, job: Job) -> None:
@@ -307,11 +340,13 @@ class Connection(AsyncEventHandler):
             await self._send(AudioStop(timestamp=samples * 1000 // SAMPLE_RATE).event())
             utterance.audio_done = True
             await self._finish(utterance)
-        except (ConnectionError, TimeoutError):  # the client is gone; leaving outcomes() cancelled the job
-            self.writer.close()
+        except (ConnectionError, TimeoutError):  # the client is gone, or stopped reading (dropped by _send)
+            job.cancel()
+            self.writer.transport.abort()
         except Exception:  # a bug: the client sees its connection end rather than wait for ever
             log.exception("the audio of a Wyoming utterance could not be sent")
-            self.writer.close()
+            job.cancel()
+            self.writer.transport.abort()
 
     async def _fail(self, utterance: _Utterance, error: ApiError) -> None:
         """End an accepted stream with `error`: its audio stops (audio-stop follows), its text is dropped."""
@@ -354,19 +389,3 @@ def _failure(outcome: Outcome) -> Error:
 def _wyoming_text(message: str) -> str:
     """The shared refusals speak of HTTP's `input`; Wyoming's field is `text`."""
     return "text" + message[len("input") :] if message.startswith("input ") else message
-
-
-async def _announce(uri: str, name: str) -> None:
-    """Register the TCP service over mDNS for Home Assistant's discovery (the zeroconf package)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(uri)
-    if parts.scheme != "tcp" or parts.port is None:
-        raise ValueError("--zeroconf announces a tcp:// URI with a port")
-    try:
-        from wyoming.zeroconf import HomeAssistantZeroconf
-    except ImportError:
-        raise ValueError("--zeroconf needs the zeroconf package (LGPL-2.1): pip install zeroconf") from None
-    host = parts.hostname if parts.hostname not in ("0.0.0.0", "::", "") else None
-    await HomeAssistantZeroconf(parts.port, name or None, host).register_server()
-    log.info("announced over zeroconf as %s", name or "this machine")

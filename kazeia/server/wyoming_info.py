@@ -3,12 +3,14 @@
 `Catalog`: the `info` answer (one TtsProgram, its voices and their languages), and a request's
 `voice` (name, language, speaker) mapped onto Kazeia's voice and language with the server's defaults.
 `read_event`: one event off the connection, bounded in size, a malformed one refused without losing
-the events after it. Non-goals: anything but text to speech.
+the events after it. `announce`: the service on the LAN over mDNS (zeroconf). Non-goals: anything
+but text to speech.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import TYPE_CHECKING
 
 from wyoming.event import Event
@@ -16,7 +18,7 @@ from wyoming.info import Attribution, Info, TtsProgram, TtsVoice
 
 from .. import __version__
 from ..engine import Engine
-from .bodies import json_object
+from .bodies import check_values, json_object
 from .config import ServerConfig, WyomingSettings
 from .errors import ApiError
 from .params import session_fields, session_options
@@ -24,6 +26,7 @@ from .params import session_fields, session_options
 if TYPE_CHECKING:
     from .store import VoiceStore
 
+log = logging.getLogger("kazeia.wyoming")
 PROGRAM = "kazeia"  # the TtsProgram's name; a request's voice.name may also name it (then: the default voice)
 DESIGN_VOICE = "designed"  # the one voice of a VoiceDesign checkpoint: the one its --instruct describes
 QWEN = Attribution(name="Qwen team, Alibaba Cloud (Qwen3-TTS)", url="https://github.com/QwenLM/Qwen3-TTS")
@@ -151,10 +154,11 @@ class Catalog:
         return [(name, name.replace("_", " ").title()) for name in self.engine.voices]
 
 
-async def read_event(reader: asyncio.StreamReader, limit: int) -> Event | None:
+async def read_event(reader: asyncio.StreamReader, limit: int, max_chars: int | None = None) -> Event | None:
     """The next event, or None once the client has closed the connection. An event that is not
-    well formed or over `limit` bytes (data and payload) is an ApiError once its bytes have been
-    read past, so the event after it can still be read."""
+    well formed or over `limit` bytes (data and payload), or with a string over `max_chars` outside
+    its text (`bodies.json_object`), is an ApiError once its bytes have been read past, so the event
+    after it can still be read."""
     line = await _line(reader)
     if line is None:
         return None
@@ -172,6 +176,7 @@ async def read_event(reader: asyncio.StreamReader, limit: int) -> Event | None:
         raise ApiError(400, "an event needs a type (a string) and data (an object)", code="invalid_event")
     if extra:
         data = {**data, **json_object(extra, "event data")}
+    check_values(data, max_chars)
     return Event(kind, data, payload)
 
 
@@ -200,3 +205,19 @@ async def _skip(reader: asyncio.StreamReader, count: int) -> None:
         if not chunk:
             raise asyncio.IncompleteReadError(b"", count)
         count -= len(chunk)
+
+
+async def announce(uri: str, name: str) -> None:
+    """Register the TCP service over mDNS for Home Assistant's discovery (the zeroconf package)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme != "tcp" or parts.port is None:
+        raise ValueError("--zeroconf announces a tcp:// URI with a port")
+    try:
+        from wyoming.zeroconf import HomeAssistantZeroconf
+    except ImportError:
+        raise ValueError("--zeroconf needs the zeroconf package (LGPL-2.1): pip install zeroconf") from None
+    host = parts.hostname if parts.hostname not in ("0.0.0.0", "::", "") else None
+    await HomeAssistantZeroconf(parts.port, name or None, host).register_server()
+    log.info("announced over zeroconf as %s", name or "this machine")
