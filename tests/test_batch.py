@@ -144,6 +144,14 @@ def _speak(stream, cancel_after: int | None = None):
     return audio, stream.codes
 
 
+def _until(condition, timeout: float = 30.0) -> None:
+    """Wait for a state (a thread has queued...), however slow the machine; fail past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the state waited for never came"
+        time.sleep(0.001)
+
+
 def _options(engine: Engine, spec) -> dict:
     _, frames, seed, _, _ = spec
     return dict(voice=engine.voices[0], seed=seed, do_sample=True, max_new_tokens=frames, chunk_frames=2)
@@ -374,9 +382,9 @@ def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest
             threading.Thread(target=decode, args=args)
             for args in (("late", False, 5.0), ("soon", False, 1.0), ("first", True, 9.0), ("later", False, 7.0))
         ]
-        for waiter in waiters:
+        for k, waiter in enumerate(waiters):
             waiter.start()
-            time.sleep(0.02)  # each has queued before the next
+            _until(lambda k=k: len(lanes._waiting) == k + 1)  # each has queued before the next
     for waiter in waiters:
         waiter.join(5)
     assert order == ["first", "soon", "late", "later"] and most[0] == 1
@@ -406,7 +414,7 @@ def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
     with lanes.turn(False, 0.0, lambda: False):
         quitter = threading.Thread(target=wait, args=(True, stop.is_set))  # first in line, then stopped
         quitter.start()
-        time.sleep(0.05)
+        _until(lambda: len(lanes._waiting) == 1)  # it has queued
         stop.set()
         quitter.join(5)
         assert results == [False]
@@ -435,9 +443,9 @@ def test_a_decode_hands_its_lane_to_a_first_chunk_at_a_pause_and_gets_it_back():
     while not order:
         time.sleep(0.001)
     others = [threading.Thread(target=decode, args=args) for args in (("later", False, 0.5), ("first", True, 9.0))]
-    for thread in others:
+    for k, thread in enumerate(others):
         thread.start()
-        time.sleep(0.05)  # queued before the next
+        _until(lambda k=k: len(lanes._waiting) == k + 1)  # queued before the next
     queued.set()
     for thread in [long, *others]:
         thread.join(5)

@@ -212,7 +212,7 @@ def test_idle_source_times_out(engines):
 
 def _fails_while_fed(stream, feed: TextFeed, delta, period: float, match: str) -> None:
     """Append `delta()` every `period` s from a thread while `stream` runs: it must fail with a
-    TextTimeout matching `match`, within 5 s."""
+    TextTimeout matching `match`, within 30 s (a bound on a hang, not a speed)."""
     stop = threading.Event()
 
     def feeding():
@@ -227,7 +227,7 @@ def _fails_while_fed(stream, feed: TextFeed, delta, period: float, match: str) -
             list(stream)
     finally:
         stop.set()
-    assert time.monotonic() - start < 5.0
+    assert time.monotonic() - start < 30.0  # it ended by its timeout, not by the feeding stopping
 
 
 def test_blank_deltas_do_not_keep_a_live_text_alive(engines):
@@ -254,7 +254,7 @@ def test_closing_while_waiting_for_text_stops_everything(engines):
     next(stream)
     start = time.monotonic()
     stream.close()
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 30.0  # it did not wait for text that never comes
     assert not any(t.name == "kazeia-generate" for t in threading.enumerate())
 
 
