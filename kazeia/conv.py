@@ -116,6 +116,8 @@ class Tiled8(nn.Module):
             res = res.contiguous()
         B, rows, _ = x.shape
         L = rows - (self.taps - 1) * self.dilation
+        if L < 0:
+            raise ValueError(f"vconv8 refused a ({B}, {rows}, {self.cin}) input: fewer rows than the taps carry")
         y = x.new_empty(B, L, self.n)
         res_strides = (0, 0) if res is None else (res.stride(0), res.stride(1))
         failed = self.lib.vconv8(x.data_ptr(), x.stride(0), x.stride(1), self.weight.data_ptr(), address(self.bias),
