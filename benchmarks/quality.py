@@ -1,6 +1,7 @@
 """Quality guard on a real-size random checkpoint: each reduced precision against float32.
 
     python benchmarks/quality.py [--size 0.6B] [--dtypes bfloat16,float16,int8,int4,q4_k_m] [--frames 50]
+                                 [--vocoders bfloat16,float16,int8]
 
 (`DTYPE/VOCODER_DTYPE` in `--dtypes` also runs the vocoder reduced, e.g. `bfloat16/bfloat16`;
 `q4_k_m` is the float32 model with GGML's Q4_K_M weights and its products' inputs rounded to Q8_K,
@@ -9,7 +10,9 @@ kazeia/testing/ggml.py: int4's yardstick.)
 
 Teacher-forced talker and code-predictor logits (relative error, top-1 agreement), free-running
 greedy code agreement, and vocoder SNR; then int8's errors as a multiple of bfloat16's (the yardstick:
-bfloat16 is the precision the model's authors run it in).
+bfloat16 is the precision the model's authors run it in). The vocoder alone, per `--vocoders` dtype
+(int8: kazeia/conv.py's `Tiled8`): SNR in dB and the mean absolute log-mel distance against the
+float32 vocoder on the same random codes (`--dtypes ""` runs this part only).
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, precisions, real_checkpoint
 
 from kazeia import Engine
+from kazeia.speaker import LogMel
 from kazeia.testing.ggml import apply_q4_k_m
 from kazeia.testing.quality import compare
+from kazeia.vocoder import Vocoder
 
 TEXT = "The quality guard compares every precision with float32 on the same codes."
 
@@ -35,18 +42,29 @@ def main() -> None:
     parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
     parser.add_argument("--dtypes", default="bfloat16,float16,int8,int4,q4_k_m,q4_k_m/exact")
     parser.add_argument("--frames", type=int, default=50)
+    parser.add_argument("--vocoders", default="bfloat16,float16,int8", help="vocoder dtypes against float32")
     parser.add_argument("--json")
     args = parser.parse_args()
     path = real_checkpoint(args.size)
-    baseline = Engine.load(path)
+    vocoders = vocoder_quality(path / "speech_tokenizer", args.vocoders.split(","), args.frames)
+    print(f"vocoder alone, {args.frames} random frames, against float32; {json.dumps(machine())}")
+    print(f"{'vocoder dtype':<18}{'SNR dB':>12}{'log-mel L1':>14}")
+    for dtype, q in vocoders.items():
+        print(f"{dtype:<18}{q['snr_db']:>12.2f}{q['log_mel_l1']:>14.4f}")
     results = {}
-    for dtype in args.dtypes.split(","):
+    baseline = Engine.load(path) if args.dtypes else None
+    for dtype in filter(None, args.dtypes.split(",")):
         if dtype.startswith("q4_k_m"):
             engine = Engine.load(path)
             apply_q4_k_m(engine, "float" if dtype.endswith("/exact") else "q8_k")
         else:
             engine = Engine.load(path, **precisions(dtype))
         results[dtype] = asdict(compare(engine, baseline, TEXT, args.frames, voice="serena"))
+    if args.json:
+        report = {"machine": machine(), "results": results, "vocoders": vocoders}
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if not results:
+        return
     print(f"{args.size} CustomVoice, real dimensions, random weights, {args.frames} frames; {json.dumps(machine())}")
     keys = list(next(iter(results.values())))
     print(f"{'dtype':<18}" + "".join(f"{k:>22}" for k in keys))
@@ -64,8 +82,24 @@ def main() -> None:
             f"int4 / Q4_K_M relative error: talker x{i['talker_rel_error'] / g['talker_rel_error']:.2f}, "
             f"code predictor x{i['predictor_rel_error'] / g['predictor_rel_error']:.2f} (target <= 1)"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "results": results}, indent=2))
+
+
+@torch.inference_mode()
+def vocoder_quality(speech_tokenizer: Path, dtypes: list[str], frames: int) -> dict[str, dict[str, float]]:
+    """Per vocoder dtype: SNR (dB) of its audio against float32's and the mean absolute difference of
+    their log-mel spectrograms (natural log, 128 bands), on the same random codes."""
+    codes = torch.randint(0, 2048, (frames, 16), generator=torch.Generator().manual_seed(1))
+    want = Vocoder.load(speech_tokenizer)(codes)
+    mel = LogMel(24000)
+    out = {}
+    for dtype in filter(None, dtypes):
+        int8 = dtype == "int8"
+        got = Vocoder.load(speech_tokenizer, dtype=torch.float32 if int8 else getattr(torch, dtype), int8=int8)(codes)
+        got = got.float()
+        snr = 10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean())
+        distance = (mel(got[None]) - mel(want[None])).abs().mean()
+        out[dtype] = {"snr_db": float(snr), "log_mel_l1": float(distance)}
+    return out
 
 
 if __name__ == "__main__":

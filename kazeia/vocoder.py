@@ -193,8 +193,7 @@ class Vocoder(nn.Module):
         int8: bool = False,
     ) -> Vocoder:
         """Build from `speech_tokenizer/config.json` on the meta device and load `model.safetensors` strictly.
-        `int8` (float32 `dtype`, the CPU with kazeia/native): the residual units' convolutions as
-        int8 products (`prepare`)."""
+        `int8` (float32 `dtype`, the CPU with kazeia/native): most convolutions as int8 products (`prepare`)."""
         root = Path(speech_tokenizer_dir)
         cfg = VocoderConfig.from_file(root / "config.json")
         with torch.device("meta"):
@@ -215,10 +214,10 @@ class Vocoder(nn.Module):
         """The implementation, chosen once, here. On the CPU with kazeia/native: every layer native
         (`_use_native`), the same bits for any chunking. Otherwise eager PyTorch: convolution weights
         stored (C_out, k, C_in), the order its convs read, and on the CPU where oneDNN packs matmul
-        weights, the transformer's and ConvNeXt's linears packed as the talker's. `int8`: the decoder
-        blocks' residual-unit convolutions (most of a frame's multiply-adds) become `Tiled8` products;
-        the earlier layers stay float32, as their errors grow the most on the way to the audio
-        (docs/design.md). Needs the native library and a float32 `dtype`."""
+        weights, the transformer's and ConvNeXt's linears packed as the talker's. `int8`: the residual
+        units' convolutions of the decoder blocks after the first (~65 % of a frame's multiply-adds)
+        become `Tiled8` products; the earlier layers stay float32, as their errors grow the most on
+        the way to the audio (docs/design.md). Needs the native library and a float32 `dtype`."""
         lib = native.library() if torch.device(device).type == "cpu" else None
         if int8 and (lib is None or dtype != torch.float32):
             where = "a float32 dtype" if lib is not None else "the CPU with the native library (kazeia/native)"
@@ -241,7 +240,8 @@ class Vocoder(nn.Module):
         the CPU has them), each packed weight replaces the original (the pre-conv's stays: its
         device and dtype stand for the vocoder's)."""
         half = dtype == torch.bfloat16
-        units = [m for m in self.modules() if isinstance(m, ResidualUnit)] if int8 else []
+        later_blocks = self.decoder[2:-2] if int8 else []  # decoder blocks after the first
+        units = [m for block in later_blocks for m in block.modules() if isinstance(m, ResidualUnit)]
         integer = {id(conv) for unit in units for conv in (unit.conv1, unit.conv2)}
         self.float()
         fuse_projections(self.pre_transformer)
