@@ -184,7 +184,7 @@ def test_vocoder(runs):
     out = ran(runs["vocoder.py"].result())
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert [row[:2] for row in rows] == [["1", "1"], ["1", "3"], ["2", "1"], ["2", "3"]], out
-    assert all(len(numbers(row)) == 4 for row in rows), out
+    assert all(len(numbers(row)) >= 4 for row in rows), out  # ms/f per dtype (and ratios with several)
     for dtype in ("float32", "int8"):
         assert f"{dtype}: the same bits at every chunk size and thread count: True" in out, out
 
