@@ -130,7 +130,7 @@ def main() -> None:
                 cells.append(f"{medians[-1]:26.1f} {bests[-1]:7.1f}")
             line = f"{n_threads:7d} {chunk:5d}  " + "  ".join(cells)
             if ratio:  # each one's median time over the first's (with --baseline: this over the baseline's)
-                first = medians[1] if args.baseline else medians[0]
+                first = medians[-1] if args.baseline else medians[0]
                 line += "  " + " ".join(f"{m / first:.3f}" for m in (medians[:1] if args.baseline else medians[1:]))
             print(line)
 

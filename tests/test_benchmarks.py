@@ -52,6 +52,7 @@ SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "gemv.py": ["--tiny", "--dtypes", ",".join(PRECISIONS)],
     "vocoder.py": ["--tiny", "--frames", "4", "--rounds", "1", "--chunks", "1,3", "--threads", "1,2", "--dtypes",
                    "float32,int8"],
+    "conv8.py": ["--tiny", "--rounds", "1", "--threads", "1,2"],
     "qualify.py": [*TINY, "--dtype", "int8", "--levels", "1,2", "--requests", "1", "--frames", "3", "--port",
                    str(free_port())],
 }  # fmt: skip
@@ -187,6 +188,14 @@ def test_vocoder(runs):
     assert all(len(numbers(row)) >= 4 for row in rows), out  # ms/f per dtype (and ratios with several)
     for dtype in ("float32", "int8"):
         assert f"{dtype}: the same bits at every chunk size and thread count: True" in out, out
+
+
+def test_conv8(runs):
+    out = ran(runs["conv8.py"].result())
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    assert rows and {row[0] for row in rows} == {"1", "2"}, out
+    assert all(len(numbers(row)) == 8 for row in rows), out  # threads, the shape, ms and GMAC/s
+    assert "total, 1 threads, this:" in out and "total, 2 threads, this:" in out, out
 
 
 def test_qualify(runs):
