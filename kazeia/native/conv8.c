@@ -29,12 +29,13 @@ enum { PW = Q8_PW, MAX_CIN = 1 << 16 };
 static long padded(long cin) { return (cin + 3) / 4 * 4; }
 static long panels(long n) { return (n + PW - 1) / PW; }
 
-/* Packed layout, per panel p of PW channels: weights (taps, kp / 4, PW, 4) int8; then for all
+/* Packed layout, per panel p of PW channels: weights (taps, kp / Q8_K, PW, Q8_K) q8_weight; then for all
    panels the offset shares (panels, taps, PW) int32; then the scales (panels * PW) float. The
    panel width is the build's (conv8.h), so a packed weight belongs to the library that packed it. */
 long vconv8_packed_bytes(long n, int taps, long cin) {
     const long np = panels(n) * PW;
-    return np * taps * padded(cin) + (long)sizeof(int32_t) * np * taps + (long)sizeof(float) * np;
+    return np * taps * padded(cin) * (long)sizeof(q8_weight) + (long)sizeof(int32_t) * np * taps +
+           (long)sizeof(float) * np;
 }
 
 /* Which path this build runs: 2 VNNI, 1 AVX2, 0 portable (for tests and logs). */
@@ -51,7 +52,7 @@ int vconv8_kernel(void) {
 /* w: (n, taps, cin) float32 -> packed (`vconv8_packed_bytes`). */
 void vconv8_pack(const float *w, long n, int taps, long cin, void *packed) {
     const long kp = padded(cin), np = panels(n) * PW;
-    int8_t *q = packed;
+    q8_weight *q = packed;
     int32_t *offset = (int32_t *)(q + np * taps * kp);
     float *scale = (float *)(offset + np * taps);
     memset(packed, 0, (size_t)vconv8_packed_bytes(n, taps, cin));
@@ -67,7 +68,7 @@ void vconv8_pack(const float *w, long n, int taps, long cin, void *packed) {
             for (long c = 0; c < cin; c++) {
                 long v = lrintf(row[tap * cin + c] * inv);
                 v = v > 127 ? 127 : v < -127 ? -127 : v;
-                q[p * PW * taps * kp + ((tap * kp + c) / 4 * PW + j) * 4 + c % 4] = (int8_t)v;
+                q[p * PW * taps * kp + ((tap * kp + c) / Q8_K * PW + j) * Q8_K + c % Q8_K] = (q8_weight)v;
                 sum += (int32_t)v;
             }
             offset[(p * taps + tap) * PW + j] = 128 * sum;
@@ -78,7 +79,7 @@ void vconv8_pack(const float *w, long n, int taps, long cin, void *packed) {
 struct q8_call {
     const float *x, *res, *bias;
     float *y;
-    const int8_t *qw;
+    const q8_weight *qw;
     const int32_t *offset;
     const float *sw;
     long x_batch, ldx, res_batch, ldres, y_batch, ldy, length, cin, n, kp, dilation;
@@ -93,7 +94,7 @@ struct q8_job {
 
 /* Positions m0 .. m1 - 1 of batch entry b: their input rows quantized into qx / sx (one job's own
    buffers, so a row's codes never depend on the split), then every panel, Q8_MR positions a tile. */
-static void q8_span(const struct q8_call *c, long b, long m0, long m1, uint8_t *qx, float *sx) {
+static void q8_span(const struct q8_call *c, long b, long m0, long m1, q8_code *qx, float *sx) {
     const long rows = m1 - m0 + (long)(c->taps - 1) * c->dilation;
     const float *x = c->x + b * c->x_batch + m0 * c->ldx;
     for (long r = 0; r < rows; r++) sx[r] = q8_quantize(x + r * c->ldx, c->cin, c->kp, qx + r * c->kp);
@@ -122,7 +123,7 @@ static void *q8_job_run(void *arg) {
     const struct q8_call *c = j->c;
     const long per = (c->length + Q8_MR - 1) / Q8_MR; /* tiles per batch entry */
     const long most = (j->tile1 - j->tile0) * Q8_MR + (long)(c->taps - 1) * c->dilation;
-    uint8_t *qx = malloc((size_t)(most * c->kp));
+    q8_code *qx = malloc(sizeof(q8_code) * (size_t)(most * c->kp));
     float *sx = malloc(sizeof(float) * (size_t)most);
     if (!qx || !sx) {
         j->failed = 1;
@@ -153,7 +154,7 @@ int vconv8(const float *x, long x_batch, long ldx, const void *w, const float *b
     if (batch < 0 || length < 0 || cin < 1 || cin > MAX_CIN || n < 1 || taps < 1 || dilation < 1) return -1;
     if (batch == 0 || length == 0) return 0;
     const long kp = padded(cin), np = panels(n) * PW;
-    const int8_t *qw = w;
+    const q8_weight *qw = w;
     const int32_t *offset = (const int32_t *)(qw + np * taps * kp);
     const struct q8_call c = {x,         res,   bias, y,       qw,     offset, (const float *)(offset + np * taps),
                               x_batch,   ldx,   res_batch, ldres, y_batch, ldy, length, cin, n, kp, dilation, taps};

@@ -2,17 +2,19 @@
    a tile of Q8_MR positions x one panel of Q8_PW output channels, every tap, the float steps and
    the store. conv8.c states the arithmetic; here only how each path sums S = sum of qx * qw.
 
-   Codes in memory (`q8_quantize`): one byte per k, kp bytes a row (zeros past cin). The VNNI build
-   keeps qx + 128 (the unsigned operand of vpdpbusd, so the inner loop needs no conversion), the
-   others qx as int8. Packed weights per panel: (taps, kp / 4, Q8_PW, 4) int8, so one vector load
-   gives four k of Q8_LANES channels.
-   * AVX-512 VNNI: vpdpbusd on (qx + 128) times qw, four k per 32-bit lane; the offset's share,
-     128 * sum over c of qw[n][tap][c] (packed with the weights), is taken off after each tap. A
-     tile is 6 positions x 32 channels: 12 accumulators (GCC spills them from 16 on).
-   * AVX2: vpmaddubsw on |qx| times qw carrying qx's sign (vpsignb), then vpmaddwd by ones: a pair's
-     sum is at most 2 * 127 * 127 < 2^15, so the 16-bit step never saturates. A tile is 2
-     positions x 24 channels.
-   * portable C: the sum of the products.
+   Codes in memory (`q8_quantize`): kp a row (zeros past cin), as the path's inner loop takes
+   them; packed weights per panel: (taps, kp / Q8_K, Q8_PW, Q8_K), so one vector load gives Q8_K
+   consecutive k of Q8_LANES channels.
+   * AVX-512 VNNI: codes qx + 128 as bytes (vpdpbusd's unsigned operand, so the inner loop needs no
+     conversion), int8 weights, four k per 32-bit lane; the offset's share, 128 * sum over c of
+     qw[n][tap][c] (packed with the weights), is taken off after each tap. A tile is 6 positions x
+     32 channels: 12 accumulators (GCC spills them from 16 on).
+   * AVX2: codes and weights as int16, vpmaddwd (two k per 32-bit lane: exact, no 16-bit step).
+     This is one multiply and one add per 16 products, where vpmaddubsw on |qx| and qw with qx's
+     sign needs a sign, two multiplies and an add per 32 (three of them on the two multiply ports
+     of most AVX2 cores). A tile is 4 positions x 16 channels (64 bytes of weights a k pair: no
+     load crosses a cache line).
+   * portable C: int8 codes and weights, the sum of the products.
    After each tap's sums the tile's float values are merged in memory (the registers hold the
    sums); the float steps are the same sequence on every path, no fused multiply-add, and the
    conversions round as C's do (to nearest, ties to even), so all paths give the same bits. */
@@ -27,13 +29,19 @@
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define Q8_VNNI 1
-enum { Q8_LANES = 16, Q8_NV = 2, Q8_MR = 6, Q8_CODE0 = 128 };
+enum { Q8_LANES = 16, Q8_NV = 2, Q8_MR = 6, Q8_K = 4, Q8_CODE0 = 128 };
+typedef uint8_t q8_code;
+typedef int8_t q8_weight;
 #elif defined(__AVX2__)
 #include <immintrin.h>
 #define Q8_AVX2 1
-enum { Q8_LANES = 8, Q8_NV = 3, Q8_MR = 2, Q8_CODE0 = 0 };
+enum { Q8_LANES = 8, Q8_NV = 2, Q8_MR = 4, Q8_K = 2, Q8_CODE0 = 0 };
+typedef int16_t q8_code;
+typedef int16_t q8_weight;
 #else
-enum { Q8_LANES = 8, Q8_NV = 1, Q8_MR = 4, Q8_CODE0 = 0 };
+enum { Q8_LANES = 8, Q8_NV = 1, Q8_MR = 4, Q8_K = 4, Q8_CODE0 = 0 };
+typedef int8_t q8_code;
+typedef int8_t q8_weight;
 #endif
 
 enum { Q8_PW = Q8_LANES * Q8_NV /* output channels of a panel */ };
@@ -41,7 +49,7 @@ enum { Q8_PW = Q8_LANES * Q8_NV /* output channels of a panel */ };
 /* One row of cin values -> its codes (kp bytes, `Q8_CODE0` past cin) and its scale: max |x| / 127,
    codes round(x * (127 / max |x|)) within -127..127 (0 for a row of zeros). The largest magnitude
    is exact in any order; NaN is skipped by the maximum and clamps to -127 as lrintf's does. */
-static inline float q8_quantize(const float *x, long cin, long kp, uint8_t *q) {
+static inline float q8_quantize(const float *x, long cin, long kp, q8_code *q) {
     float most = 0.0f;
     long c = 0;
 #if defined(Q8_VNNI)
@@ -74,22 +82,21 @@ static inline float q8_quantize(const float *x, long cin, long kp, uint8_t *q) {
     for (; c + 8 <= cin; c += 8) {
         __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + c), iv));
         v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
-        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        _mm_storel_epi64((__m128i *)(q + c), _mm_packs_epi16(words, words));
+        _mm_storeu_si128((__m128i *)(q + c), _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
     }
 #endif
     for (; c < cin; c++) {
         long v = lrintf(x[c] * inv);
-        q[c] = (uint8_t)((v > 127 ? 127 : v < -127 ? -127 : v) + Q8_CODE0);
+        q[c] = (q8_code)((v > 127 ? 127 : v < -127 ? -127 : v) + Q8_CODE0);
     }
-    memset(q + cin, Q8_CODE0, (size_t)(kp - cin));
+    for (; c < kp; c++) q[c] = Q8_CODE0;
     return most / 127.0f;
 }
 
 /* One panel of one call: its packed weights and offset shares, scales and bias from its first
    channel on; `width` of its Q8_PW channels are real. */
 struct q8_panel {
-    const int8_t *w;     /* (taps, kp / 4, Q8_PW, 4) */
+    const q8_weight *w;  /* (taps, kp / Q8_K, Q8_PW, Q8_K) */
     const int32_t *off;  /* (taps, Q8_PW) */
     const float *sw;     /* Q8_PW scales (zeros past width) */
     const float *bias;   /* width values, or NULL */
@@ -100,17 +107,17 @@ struct q8_panel {
 #if defined(Q8_VNNI)
 /* Positions 0 .. valid - 1 (valid <= Q8_MR) from the code row qx (tap 0's) and its scales sx: every
    tap, then y := f * sw + bias + res (rows ldy / ldres floats apart; res may be NULL). */
-static void q8_tile(const struct q8_panel *p, const uint8_t *qx, const float *sx, int valid, float *y, long ldy,
+static void q8_tile(const struct q8_panel *p, const q8_code *qx, const float *sx, int valid, float *y, long ldy,
                     const float *res, long ldres) {
     float f[Q8_MR][Q8_PW] __attribute__((aligned(64))) = {{0}}; /* in memory: the registers hold the sums */
     const long groups = p->kp / 4;
     for (int tap = 0; tap < p->taps; tap++) {
-        const uint8_t *rows[Q8_MR];
+        const q8_code *rows[Q8_MR];
         for (int r = 0; r < Q8_MR; r++) rows[r] = qx + ((r < valid ? r : valid - 1) + tap * p->step) * p->kp;
         __m512i acc[Q8_MR][Q8_NV];
         for (int r = 0; r < Q8_MR; r++)
             for (int v = 0; v < Q8_NV; v++) acc[r][v] = _mm512_setzero_si512();
-        const int8_t *w = p->w + tap * p->kp * Q8_PW;
+        const q8_weight *w = p->w + tap * p->kp * Q8_PW;
         for (long g = 0; g < groups; g++, w += Q8_PW * 4) {
             __m512i wv[Q8_NV];
             for (int v = 0; v < Q8_NV; v++) wv[v] = _mm512_loadu_si512(w + v * Q8_LANES * 4);
@@ -146,29 +153,25 @@ static void q8_tile(const struct q8_panel *p, const uint8_t *qx, const float *sx
     }
 }
 #elif defined(Q8_AVX2)
-static void q8_tile(const struct q8_panel *p, const uint8_t *qx, const float *sx, int valid, float *y, long ldy,
+static void q8_tile(const struct q8_panel *p, const q8_code *qx, const float *sx, int valid, float *y, long ldy,
                     const float *res, long ldres) {
     float f[Q8_MR][Q8_PW] __attribute__((aligned(32))) = {{0}}; /* in memory: the registers hold the sums */
-    const long groups = p->kp / 4;
-    const __m256i ones = _mm256_set1_epi16(1);
+    const long pairs = p->kp / 2;
     for (int tap = 0; tap < p->taps; tap++) {
-        const uint8_t *rows[Q8_MR];
+        const q8_code *rows[Q8_MR];
         for (int r = 0; r < Q8_MR; r++) rows[r] = qx + ((r < valid ? r : valid - 1) + tap * p->step) * p->kp;
         __m256i acc[Q8_MR][Q8_NV];
         for (int r = 0; r < Q8_MR; r++)
             for (int v = 0; v < Q8_NV; v++) acc[r][v] = _mm256_setzero_si256();
-        const int8_t *w = p->w + tap * p->kp * Q8_PW;
-        for (long g = 0; g < groups; g++, w += Q8_PW * 4) {
+        const q8_weight *w = p->w + tap * p->kp * Q8_PW;
+        for (long g = 0; g < pairs; g++, w += Q8_PW * 2) {
             __m256i wv[Q8_NV];
-            for (int v = 0; v < Q8_NV; v++) wv[v] = _mm256_loadu_si256((const __m256i *)(w + v * Q8_LANES * 4));
+            for (int v = 0; v < Q8_NV; v++) wv[v] = _mm256_loadu_si256((const __m256i *)(w + v * Q8_LANES * 2));
             for (int r = 0; r < Q8_MR; r++) {
-                int32_t four;
-                memcpy(&four, rows[r] + g * 4, sizeof four);
-                const __m256i xv = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(xv);
-                for (int v = 0; v < Q8_NV; v++) {
-                    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv[v], xv));
-                    acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));
-                }
+                int32_t two;
+                memcpy(&two, rows[r] + g * 2, sizeof two);
+                const __m256i xv = _mm256_set1_epi32(two);
+                for (int v = 0; v < Q8_NV; v++) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(xv, wv[v]));
             }
         }
         for (int r = 0; r < Q8_MR; r++) {
@@ -194,11 +197,11 @@ static void q8_tile(const struct q8_panel *p, const uint8_t *qx, const float *sx
     }
 }
 #else
-static void q8_tile(const struct q8_panel *p, const uint8_t *qx, const float *sx, int valid, float *y, long ldy,
+static void q8_tile(const struct q8_panel *p, const q8_code *qx, const float *sx, int valid, float *y, long ldy,
                     const float *res, long ldres) {
     float f[Q8_MR][Q8_PW] = {{0}};
     for (int tap = 0; tap < p->taps; tap++) {
-        const int8_t *w = p->w + tap * p->kp * Q8_PW;
+        const q8_weight *w = p->w + tap * p->kp * Q8_PW;
         for (int r = 0; r < valid; r++) {
             const int8_t *row = (const int8_t *)(qx + (r + tap * p->step) * p->kp);
             int32_t s[Q8_PW] = {0};
