@@ -30,7 +30,7 @@ static long padded(long cin) { return (cin + 3) / 4 * 4; }
 static long panels(long n) { return (n + PW - 1) / PW; }
 
 /* Packed layout, per panel p of PW channels: weights (taps, kp / Q8_K, PW, Q8_K) q8_weight; then for all
-   panels the offset shares (panels, taps, PW) int32; then the scales (panels * PW) float. The
+   panels minus the VNNI offset shares (panels, taps, PW) int32; then the scales (panels * PW) float. The
    panel width is the build's (conv8.h), so a packed weight belongs to the library that packed it. */
 long vconv8_packed_bytes(long n, int taps, long cin) {
     const long np = panels(n) * PW;
@@ -71,7 +71,7 @@ void vconv8_pack(const float *w, long n, int taps, long cin, void *packed) {
                 q[p * PW * taps * kp + ((tap * kp + c) / Q8_K * PW + j) * Q8_K + c % Q8_K] = (q8_weight)v;
                 sum += (int32_t)v;
             }
-            offset[(p * taps + tap) * PW + j] = 128 * sum;
+            offset[(p * taps + tap) * PW + j] = -128 * sum;
         }
     }
 }

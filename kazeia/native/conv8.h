@@ -6,8 +6,8 @@
    them; packed weights per panel: (taps, kp / Q8_K, Q8_PW, Q8_K), so one vector load gives Q8_K
    consecutive k of Q8_LANES channels.
    * AVX-512 VNNI: codes qx + 128 as bytes (vpdpbusd's unsigned operand, so the inner loop needs no
-     conversion), int8 weights, four k per 32-bit lane; the offset's share, 128 * sum over c of
-     qw[n][tap][c] (packed with the weights), is taken off after each tap. A tile is 6 positions x
+     conversion), int8 weights, four k per 32-bit lane; the sums start from minus the offset's
+     share, -128 * sum over c of qw[n][tap][c] (packed with the weights). A tile is 6 positions x
      32 channels: 12 accumulators (GCC spills them from 16 on).
    * AVX2: codes and weights as int16, vpmaddwd (two k per 32-bit lane: exact, no 16-bit step).
      This is one multiply and one add per 16 products, where vpmaddubsw on |qx| and qw with qx's
@@ -97,7 +97,7 @@ static inline float q8_quantize(const float *x, long cin, long kp, q8_code *q) {
    channel on; `width` of its Q8_PW channels are real. */
 struct q8_panel {
     const q8_weight *w;  /* (taps, kp / Q8_K, Q8_PW, Q8_K) */
-    const int32_t *off;  /* (taps, Q8_PW) */
+    const int32_t *off;  /* (taps, Q8_PW): minus the offset's shares */
     const float *sw;     /* Q8_PW scales (zeros past width) */
     const float *bias;   /* width values, or NULL */
     long kp, step;       /* bytes a code row; rows between taps (the dilation) */
@@ -114,9 +114,11 @@ static void q8_tile(const struct q8_panel *p, const q8_code *qx, const float *sx
     for (int tap = 0; tap < p->taps; tap++) {
         const q8_code *rows[Q8_MR];
         for (int r = 0; r < Q8_MR; r++) rows[r] = qx + ((r < valid ? r : valid - 1) + tap * p->step) * p->kp;
-        __m512i acc[Q8_MR][Q8_NV];
-        for (int r = 0; r < Q8_MR; r++)
-            for (int v = 0; v < Q8_NV; v++) acc[r][v] = _mm512_setzero_si512();
+        __m512i acc[Q8_MR][Q8_NV]; /* from minus the offset's share: S when the sums are done */
+        for (int v = 0; v < Q8_NV; v++) {
+            const __m512i start = _mm512_loadu_si512(p->off + tap * Q8_PW + v * Q8_LANES);
+            for (int r = 0; r < Q8_MR; r++) acc[r][v] = start;
+        }
         const q8_weight *w = p->w + tap * p->kp * Q8_PW;
         for (long g = 0; g < groups; g++, w += Q8_PW * 4) {
             __m512i wv[Q8_NV];
@@ -129,9 +131,8 @@ static void q8_tile(const struct q8_panel *p, const q8_code *qx, const float *sx
             }
         }
         for (int v = 0; v < Q8_NV; v++) {
-            const __m512i o = _mm512_loadu_si512(p->off + tap * Q8_PW + v * Q8_LANES);
             for (int r = 0; r < Q8_MR; r++) {
-                const __m512 s = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], o));
+                const __m512 s = _mm512_cvtepi32_ps(acc[r][v]);
                 const float scale = sx[(r < valid ? r : valid - 1) + tap * p->step];
                 const __m512 sum = _mm512_add_ps(_mm512_load_ps(f[r] + v * Q8_LANES), _mm512_mul_ps(s, _mm512_set1_ps(scale)));
                 _mm512_store_ps(f[r] + v * Q8_LANES, sum);
