@@ -68,7 +68,7 @@ def main() -> None:
         print(f"{checkpoints.label}, {args.frames} frames; {json.dumps(machine())}")
         keys = [field.name for field in fields(Quality)]
         print(f"{'dtype':<18}" + "".join(f"{k:>22}" for k in keys), flush=True)
-        for dtype in args.dtypes.split(","):
+        for dtype in filter(None, args.dtypes.split(",")):
             q = outcomes.run(dtype, lambda dtype=dtype: measure(path, baseline, dtype, args.frames))
             if q is not None:
                 results[dtype] = q
