@@ -49,6 +49,7 @@ SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "streaming.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2"],
     "burst.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2", "--rounds", "1", "--streams", "2"],
     "speed.py": [*TINY, "--speeds", "1.5", "--clips", "en", "--frames", "4"],
+    "first_audio.py": [*TINY, "--dtypes", "int4,int8", "--runs", "2"],
     "gemv.py": ["--tiny", "--dtypes", ",".join(PRECISIONS)],
     "vocoder.py": ["--tiny", "--frames", "4", "--rounds", "1", "--chunks", "1,3", "--threads", "1,2"],
     "qualify.py": [*TINY, "--dtype", "int8", "--levels", "1,2", "--requests", "1", "--frames", "3", "--port",
@@ -174,6 +175,16 @@ def test_speed(runs):
     out = ran(runs["speed.py"].result())
     assert "| 1.5 | kazeia |" in out and "| 1.5 | librosa phase vocoder |" in out, out
     assert "ms per frame (1 thread)" in out and "speed 1.5:" in out
+
+
+def test_first_audio(runs):
+    out = ran(runs["first_audio.py"].result())
+    p50 = out.split("p50 of 2 runs (ms)")[1].splitlines()
+    assert p50[1].split() == ["request", "setup", "prompt", "voice", "prefill", "codebook0", "predictor", "handoff",
+                              "vocoder", "out", "total"], out  # fmt: skip
+    for config in ("int4", "int8"):
+        row = next((line.split() for line in p50 if line.split()[:1] == [config]), None)
+        assert row is not None and len(numbers(row[1:])) == 11 and float(row[-1]) > 0, (config, out[-3000:])
 
 
 def test_vocoder(runs):
