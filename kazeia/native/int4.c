@@ -263,10 +263,220 @@ struct int4_job {
     long rows, cols, m, first, last;
 };
 
+/* ---- several activation rows at once (a prompt's, a batched step's) -----------------------------
+   One weight row against a tile of n <= TILE activation rows: each unit's codes are unpacked (and
+   its steps widened) once for the whole tile. Every row's block integers are those of row_dots
+   (the same lanes, exact), converted and summed in the same order, so a row's result is bit for
+   bit the one-row result; only the instructions differ (with VNNI: vpdpbusd on the unpacked codes,
+   then the steps by vpdpwssd: a lane's 8 products stay within 16 bits). */
+#define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define TILE 8 /* activation rows per tile */
+/* Units u and u + 1 (a block of 128) unpacked: low and high nibbles, and the steps as multipliers
+   per 128-bit lane (int16 pairs; with VNNI, the low half of each int32 lane, the high half 0). */
+struct unpacked512 {
+    __m512i low, high, steps;
+};
+INLINE struct unpacked512 unpack512(const uint8_t *w, const uint8_t *gs, long u) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    __m512i raw = _mm512_loadu_si512((const void *)(w + u * 32));
+    _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
+    int32_t four;
+    memcpy(&four, gs + 2 * u, sizeof four);
+    __m512i spread = _mm512_broadcast_i32x4(_mm_cvtsi32_si128(four));
+#if defined(__AVX512VNNI__)
+    __m512i order = _mm512_set_epi8(-1, -1, -1, 3, -1, -1, -1, 3, -1, -1, -1, 3, -1, -1, -1, 3,
+                                    -1, -1, -1, 2, -1, -1, -1, 2, -1, -1, -1, 2, -1, -1, -1, 2,
+                                    -1, -1, -1, 1, -1, -1, -1, 1, -1, -1, -1, 1, -1, -1, -1, 1,
+                                    -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1, 0);
+#else
+    __m512i order = _mm512_set_epi8(-1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3,
+                                    -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2,
+                                    -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
+                                    -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0);
+#endif
+    return (struct unpacked512){_mm512_and_si512(raw, mask), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask),
+                                _mm512_shuffle_epi8(spread, order)};
+}
+/* The block's 16 int32 lanes for activation codes x: those of units512 (u, u + 1). */
+INLINE __m512i block512(struct unpacked512 k, const int8_t *x, long u) {
+    __m512i first = _mm512_loadu_si512((const void *)(x + u * UNIT));
+    __m512i second = _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT));
+#if defined(__AVX512VNNI__)
+    __m512i eight = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.low, first); /* |lane| <= 8 * 15 * 127 */
+    eight = _mm512_dpbusd_epi32(eight, k.high, second);
+    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), eight, k.steps);
+#else
+    __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(k.low, first), _mm512_maddubs_epi16(k.high, second));
+    return _mm512_madd_epi16(pairs, k.steps);
+#endif
+}
+/* row_dots' AVX-512 loop (blocks of 128) for n activation rows p (stride cols), steps t (stride blocks). */
+INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long cols, const int n,
+                    float *out) {
+    const long blocks = cols / 128;
+    __m512 f[TILE];
+    for (int i = 0; i < n; i++) f[i] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        struct unpacked512 k = unpack512(w, gs, 2 * b);
+        for (int i = 0; i < n; i++)
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block512(k, p + i * cols, 2 * b)),
+                                   _mm512_set1_ps(t[i * blocks + b]), f[i]);
+    }
+    for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(f[i]);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TILE 4
+#else
+#define TILE 4
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* unit256 split in two: the unit's nibbles and steps once, then its int32 lanes per activation row. */
+struct unpacked256 {
+    __m256i low, high, steps;
+};
+INLINE struct unpacked256 unpack256(const uint8_t *w, const uint8_t *gs, long u) {
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(w + u * 32));
+    if (u & 1) _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
+    uint16_t two;
+    memcpy(&two, gs + 2 * u, sizeof two);
+    __m256i steps = _mm256_shuffle_epi8(_mm256_set1_epi16((short)two),
+                                        _mm256_set_epi8(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
+                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
+    return (struct unpacked256){_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), steps};
+}
+INLINE __m256i dot256(struct unpacked256 k, const int8_t *x, long u) {
+    __m256i first = _mm256_maddubs_epi16(k.low, _mm256_loadu_si256((const __m256i *)(x + u * UNIT)));
+    __m256i second = _mm256_maddubs_epi16(k.high, _mm256_loadu_si256((const __m256i *)(x + u * UNIT + 32)));
+    return _mm256_madd_epi16(_mm256_add_epi16(first, second), k.steps);
+}
+/* row_dots' AVX2 loop for n activation rows. */
+INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long cols, long block,
+                    const int n, float *out) {
+    const long per_block = block / UNIT, blocks = cols / block;
+    __m256 f[TILE];
+    for (int i = 0; i < n; i++) f[i] = _mm256_setzero_ps();
+    for (long b = 0, u = 0; b < blocks; b++) {
+        __m256i acc[TILE];
+        for (int i = 0; i < n; i++) acc[i] = _mm256_setzero_si256();
+        for (long k = 0; k < per_block; k++, u++) {
+            struct unpacked256 unit = unpack256(w, gs, u);
+            for (int i = 0; i < n; i++) acc[i] = _mm256_add_epi32(acc[i], dot256(unit, p + i * cols, u));
+        }
+        for (int i = 0; i < n; i++)
+            f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(t[i * blocks + b]), f[i]);
+    }
+    for (int i = 0; i < n; i++) out[i] = sum256(f[i]);
+}
+#endif
+
+#if !(defined(__AVX2__) && defined(__FMA__))
+/* row_dots' plain C loop for n activation rows: each group's codes unpacked once. */
+INLINE void tile_c(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long cols, long block,
+                   const int n, float *out) {
+    const long per_block = block / UNIT, blocks = cols / block;
+    for (int i = 0; i < n; i++) out[i] = 0.0f;
+    for (long b = 0, g = 0; b < blocks; b++) {
+        int32_t acc[TILE] = {0};
+        for (long k = 0; k < per_block * (UNIT / GROUP); k++, g++) {
+            int32_t low[16], high[16];
+            for (int j = 0; j < 16; j++) low[j] = w[g * 16 + j] & 0x0f, high[j] = w[g * 16 + j] >> 4;
+            for (int i = 0; i < n; i++) {
+                const int8_t *x = p + i * cols + g * GROUP;
+                int32_t dot = 0;
+                for (int j = 0; j < 16; j++) dot += low[j] * x[j] + high[j] * x[16 + j];
+                acc[i] += dot * gs[g];
+            }
+        }
+        for (int i = 0; i < n; i++) out[i] += (float)acc[i] * t[i * blocks + b];
+    }
+}
+#endif
+
+/* offsets_dot for n activation rows (sums: stride groups), each group's offsets widened once. */
+INLINE void offsets_tile(const int8_t *n8, const float *sums, long groups, const int n, float *out) {
+    long g = 0;
+#if defined(__AVX512F__)
+    __m512 acc[TILE];
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+    for (; g + 16 <= groups; g += 16) {
+        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(n8 + g))));
+        for (int i = 0; i < n; i++) acc[i] = _mm512_fmadd_ps(v, _mm512_loadu_ps(sums + i * groups + g), acc[i]);
+    }
+    for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[TILE];
+    for (int i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(n8 + g))));
+        for (int i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(sums + i * groups + g), acc[i]);
+    }
+    for (int i = 0; i < n; i++) out[i] = sum256(acc[i]);
+#else
+    for (int i = 0; i < n; i++) out[i] = 0.0f;
+#endif
+    for (int i = 0; i < n; i++)
+        for (long h = g; h < groups; h++) out[i] += (float)n8[h] * sums[i * groups + h];
+}
+
+/* One weight row r against activation rows [i, i + n) of a job, n <= TILE (a constant in each
+   expansion, so that the tile's vectors stay in registers). */
+INLINE void tile_rows(const struct int4_job *j, long r, long i, const int n) {
+    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
+    const uint8_t *w = j->qw + r * (cols / 2), *steps = j->gs + r * groups;
+    const int8_t *p = j->p + i * cols;
+    const float *t = j->t + i * blocks;
+    float dots[TILE], offsets[TILE];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (block % 128 == 0)
+        tile512(w, steps, p, t, cols, n, dots);
+    else
+        tile256(w, steps, p, t, cols, block, n, dots);
+#elif defined(__AVX2__) && defined(__FMA__)
+    tile256(w, steps, p, t, cols, block, n, dots);
+#else
+    tile_c(w, steps, p, t, cols, block, n, dots);
+#endif
+    offsets_tile(j->gn + r * groups, j->sums + i * groups, groups, n, offsets);
+    float d = j->rf[2 * r], e = j->rf[2 * r + 1], b = j->bias ? j->bias[r] : 0.0f;
+    for (int k = 0; k < n; k++) j->y[(i + k) * j->rows + r] = d * dots[k] - e * offsets[k] + b;
+}
+
+/* Weight rows [r0, r1) against activation rows [i, i + n), n <= TILE. */
+static void tile_block(const struct int4_job *j, long r0, long r1, long i, long n) {
+    for (long r = r0; r < r1; r++) {
+        switch (n) {
+        case 1: tile_rows(j, r, i, 1); break;
+        case 2: tile_rows(j, r, i, 2); break;
+        case 3: tile_rows(j, r, i, 3); break;
+#if TILE > 4
+        case 4: tile_rows(j, r, i, 4); break;
+        case 5: tile_rows(j, r, i, 5); break;
+        case 6: tile_rows(j, r, i, 6); break;
+        case 7: tile_rows(j, r, i, 7); break;
+#endif
+        default: tile_rows(j, r, i, TILE); break;
+        }
+    }
+}
+
+/* Weight rows per pass over the activation tiles: their codes and a tile's activation codes stay
+   in the first-level cache while the tile is multiplied with each of them. */
+enum { ROW_BLOCK = 8 };
+
 static void *int4_job_run(void *arg) {
     const struct int4_job *j = arg;
     const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
-    for (long r = j->first; r < j->last; r++) {
+    if (j->m > 2) { /* a prompt's rows, or a batched step's: in tiles */
+        for (long r0 = j->first; r0 < j->last; r0 += ROW_BLOCK)
+            for (long i = 0; i < j->m; i += TILE)
+                tile_block(j, r0, r0 + ROW_BLOCK < j->last ? r0 + ROW_BLOCK : j->last, i, j->m - i < TILE ? j->m - i : TILE);
+        return NULL;
+    }
+    for (long r = j->first; r < j->last; r++) { /* a decoding step's one or two rows */
         const uint8_t *steps = j->gs + r * groups;
         const int8_t *offsets = j->gn + r * groups;
         float d = j->rf[2 * r], e = j->rf[2 * r + 1], b = j->bias ? j->bias[r] : 0.0f;
