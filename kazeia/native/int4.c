@@ -78,6 +78,47 @@ static inline long act_pos(long c, long block) {
     return unit + ((j >> 4) & 1) * 32 + (j >> 5) * 16 + (j & 15);
 }
 
+/* The largest |v[j]| of a block; a NaN is passed over (it poisons the row's sums instead). */
+static float block_amax(const float *v, long block) {
+    float amax = 0.0f;
+    long j = 0;
+#if defined(__AVX512F__)
+    __m512 top = _mm512_setzero_ps();
+    for (; j + 16 <= block; j += 16) top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + j)), top); /* NaN: top */
+    amax = _mm512_reduce_max_ps(top);
+#endif
+    for (; j < block; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+    return amax;
+}
+
+/* A block's codes round(v * inverse) (to nearest even; 0 for a NaN, as lrintf's cast gives), at
+   their act_pos places: 16 columns from a multiple of 16 stay side by side there. */
+static void block_codes(const float *v, long block, float inverse, int8_t *p, long first) {
+    long j = 0;
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(inverse);
+    for (; j < block; j += 16) {
+        __m512 x = _mm512_loadu_ps(v + j);
+        x = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), x);
+        __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, scale)));
+        _mm_storeu_si128((__m128i *)(p + act_pos(first + j, block)), q);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 scale = _mm256_set1_ps(inverse);
+    for (; j < block; j += 16) {
+        __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + 8);
+        a = _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q));
+        b = _mm256_and_ps(b, _mm256_cmp_ps(b, b, _CMP_ORD_Q));
+        __m256i halves = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, scale)),
+                                            _mm256_cvtps_epi32(_mm256_mul_ps(b, scale))); /* a0-3 b0-3 a4-7 b4-7 */
+        halves = _mm256_permute4x64_epi64(halves, 0xd8);
+        __m128i q = _mm_packs_epi16(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+        _mm_storeu_si128((__m128i *)(p + act_pos(first + j, block)), q);
+    }
+#endif
+    for (; j < block; j++) p[act_pos(first + j, block)] = (int8_t)lrintf(v[j] * inverse);
+}
+
 /* Round one activation row to int8 per block: codes p (in the kernel's order, act_pos), steps t
    (per block), exact sums (per group). */
 static void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, float *sums) {
@@ -88,17 +129,14 @@ static void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, fl
         sums[g] = s;
     }
     for (long b = 0; b < cols / block; b++) {
-        const float *v = x + b * block;
-        float amax = 0.0f;
-        for (long j = 0; j < block; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+        float amax = block_amax(x + b * block, block);
         if (!(amax > 0.0f) || !isfinite(amax)) { /* zero, or not finite: the sums poison y */
             t[b] = 0.0f;
             memset(p + b * block, 0, (size_t)block);
             continue;
         }
-        float inverse = 127.0f / amax;
         t[b] = amax / 127.0f;
-        for (long j = 0; j < block; j++) p[act_pos(b * block + j, block)] = (int8_t)lrintf(v[j] * inverse);
+        block_codes(x + b * block, block, 127.0f / amax, p, b * block);
     }
 }
 
