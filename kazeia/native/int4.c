@@ -119,10 +119,15 @@ static void block_codes(const float *v, long block, float inverse, int8_t *p, lo
     for (; j < block; j++) p[act_pos(first + j, block)] = (int8_t)lrintf(v[j] * inverse);
 }
 
+/* Floats of a row's block steps: each step twice (block b at 2b and 2b + 1), the blocks padded to
+   an even count with zeros, so that two blocks' steps are one 16-byte load (pair512). */
+static long t_stride(long blocks) { return 2 * (blocks + (blocks & 1)); }
+
 /* Round one activation row to int8 per block: codes p (in the kernel's order, act_pos), steps t
-   (per block), exact sums (per group). */
+   (t_stride), exact sums (per group). */
 static void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, float *sums) {
-    long block = int4_block(cols);
+    long block = int4_block(cols), blocks = cols / block;
+    memset(t, 0, sizeof(float) * (size_t)t_stride(blocks));
     for (long g = 0; g < cols / GROUP; g++) {
         float s = 0.0f;
         for (int j = 0; j < GROUP; j++) s += x[g * GROUP + j];
@@ -131,11 +136,10 @@ static void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, fl
     for (long b = 0; b < cols / block; b++) {
         float amax = block_amax(x + b * block, block);
         if (!(amax > 0.0f) || !isfinite(amax)) { /* zero, or not finite: the sums poison y */
-            t[b] = 0.0f;
             memset(p + b * block, 0, (size_t)block);
             continue;
         }
-        t[b] = amax / 127.0f;
+        t[2 * b] = t[2 * b + 1] = amax / 127.0f;
         block_codes(x + b * block, block, 127.0f / amax, p, b * block);
     }
 }
@@ -216,8 +220,8 @@ static void row_dots(const uint8_t *w, const uint8_t *gs, const int8_t *p0, cons
                 i0 = _mm512_add_epi32(i0, units512(w, p0, gs, u));
                 if (p1) i1 = _mm512_add_epi32(i1, units512(w, p1, gs, u));
             }
-            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, j0)), _mm512_set1_ps(t0[b]), f0);
-            if (p1) f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i1, j1)), _mm512_set1_ps(t1[b]), f1);
+            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, j0)), _mm512_set1_ps(t0[2 * b]), f0);
+            if (p1) f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i1, j1)), _mm512_set1_ps(t1[2 * b]), f1);
         }
         out[0] = _mm512_reduce_add_ps(f0);
         out[1] = p1 ? _mm512_reduce_add_ps(f1) : 0.0f;
@@ -243,8 +247,8 @@ static void row_dots(const uint8_t *w, const uint8_t *gs, const int8_t *p0, cons
             if (p1) i1 = _mm256_add_epi32(i1, unit256(w, p1, gs, u));
             u++;
         }
-        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, j0)), _mm256_set1_ps(t0[b]), f0);
-        if (p1) f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i1, j1)), _mm256_set1_ps(t1[b]), f1);
+        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, j0)), _mm256_set1_ps(t0[2 * b]), f0);
+        if (p1) f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i1, j1)), _mm256_set1_ps(t1[2 * b]), f1);
     }
     out[0] = sum256(f0);
     out[1] = p1 ? sum256(f1) : 0.0f;
@@ -263,7 +267,7 @@ static void row_dots(const uint8_t *w, const uint8_t *gs, const int8_t *p0, cons
                 }
                 acc += dot * gs[g];
             }
-            sum += (float)acc * t[b];
+            sum += (float)acc * t[2 * b];
         }
         out[i] = sum;
     }
@@ -305,69 +309,107 @@ struct int4_job {
    One weight row against a tile of n <= TILE activation rows: each unit's codes are unpacked (and
    its steps widened) once for the whole tile. Every row's block integers are those of row_dots
    (the same lanes, exact), converted and summed in the same order, so a row's result is bit for
-   bit the one-row result; only the instructions differ (with VNNI: vpdpbusd on the unpacked codes,
-   then the steps by vpdpwssd: a lane's 8 products stay within 16 bits). */
+   bit the one-row result; only the instructions differ. With VNNI the arithmetic is a kernel of
+   its own (pairs of blocks, below), which every row count takes. */
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define TILE 8 /* activation rows per tile */
-/* Units u and u + 1 (a block of 128) unpacked: low and high nibbles, and the steps as multipliers
-   per 128-bit lane (int16 pairs; with VNNI, the low half of each int32 lane, the high half 0). */
+/* Units u and u + 1 (a block of 128): the codes' low and high nibbles (one group per 128-bit lane). */
 struct unpacked512 {
-    __m512i low, high, steps;
+    __m512i low, high;
 };
-INLINE struct unpacked512 unpack512(const uint8_t *w, const uint8_t *gs, long u) {
+INLINE struct unpacked512 unpack512(const uint8_t *w, long u) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     __m512i raw = _mm512_loadu_si512((const void *)(w + u * 32));
     _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
+    return (struct unpacked512){_mm512_and_si512(raw, mask), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask)};
+}
+#if defined(__AVX512VNNI__)
+/* Pairs of blocks (VNNI). Each block's 16 lanes of 8 products (vpdpbusd) fit in 16 bits: blocks b
+   and b + 1 are packed side by side (vpackssdw: in each 128-bit lane, group l of block b, then
+   group l of block b + 1) and multiplied by their groups' steps (vpdpwssd), 16 int32 lanes of 16
+   products each; converted once and multiplied by the two blocks' steps [t_b t_b t_b+1 t_b+1] per
+   128-bit lane. A row's sums are the same whatever the number of rows: every row of every product
+   takes this path in this build (`PAIRED`), one row as well as a tile. */
+#define PAIRED(block) ((block) % 128 == 0)
+/* The steps of blocks b (the first 4 bytes of `eight`) and b + 1 (the next 4) as vpdpwssd's
+   multipliers: in 128-bit lane l, 4 x int16 step of group l of b, then 4 x that of b + 1. */
+INLINE __m512i pair_steps(uint64_t eight) {
+    static const int8_t order[64] = {
+        0, -1, 0, -1, 0, -1, 0, -1, 4, -1, 4, -1, 4, -1, 4, -1, 1, -1, 1, -1, 1, -1, 1, -1, 5, -1, 5, -1, 5, -1, 5, -1,
+        2, -1, 2, -1, 2, -1, 2, -1, 6, -1, 6, -1, 6, -1, 6, -1, 3, -1, 3, -1, 3, -1, 3, -1, 7, -1, 7, -1, 7, -1, 7, -1};
+    return _mm512_shuffle_epi8(_mm512_set1_epi64((long long)eight), _mm512_loadu_si512((const void *)order));
+}
+/* The 8-product lanes of block b's units (u = 2b, 2b + 1) against activation codes x. */
+INLINE __m512i eights512(struct unpacked512 k, const int8_t *x, long u) {
+    __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.low, _mm512_loadu_si512((const void *)(x + u * UNIT)));
+    return _mm512_dpbusd_epi32(e, k.high, _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT))); /* <= 8*15*127 */
+}
+INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                    const int n, float *out) {
+    const long blocks = cols / 128;
+    __m512 f[TILE];
+    for (int i = 0; i < n; i++) f[i] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b += 2) {
+        const int two = b + 1 < blocks;
+        uint64_t eight = 0;
+        memcpy(&eight, gs + 4 * b, two ? 8 : 4);
+        __m512i steps = pair_steps(eight);
+        struct unpacked512 ka = unpack512(w, 2 * b), kb = ka;
+        if (two) kb = unpack512(w, 2 * b + 2);
+        for (int i = 0; i < n; i++) {
+            const int8_t *x = p + i * cols;
+            __m512i second = two ? eights512(kb, x, 2 * b + 2) : _mm512_setzero_si512();
+            __m512i ints = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(eights512(ka, x, 2 * b), second),
+                                               steps);
+            __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(t + i * ts + 2 * b));
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, f[i]);
+        }
+    }
+    for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(f[i]);
+}
+#else
+#define PAIRED(block) 0
+/* units512 split in two: the block's codes and steps (int16 per 128-bit lane) once, then its int32
+   lanes per activation row. */
+INLINE __m512i steps512(const uint8_t *gs, long u) {
     int32_t four;
     memcpy(&four, gs + 2 * u, sizeof four);
-    __m512i spread = _mm512_broadcast_i32x4(_mm_cvtsi32_si128(four));
-#if defined(__AVX512VNNI__)
-    __m512i order = _mm512_set_epi8(-1, -1, -1, 3, -1, -1, -1, 3, -1, -1, -1, 3, -1, -1, -1, 3,
-                                    -1, -1, -1, 2, -1, -1, -1, 2, -1, -1, -1, 2, -1, -1, -1, 2,
-                                    -1, -1, -1, 1, -1, -1, -1, 1, -1, -1, -1, 1, -1, -1, -1, 1,
-                                    -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1, 0, -1, -1, -1, 0);
-#else
-    __m512i order = _mm512_set_epi8(-1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3,
-                                    -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2,
-                                    -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
-                                    -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0);
-#endif
-    return (struct unpacked512){_mm512_and_si512(raw, mask), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask),
-                                _mm512_shuffle_epi8(spread, order)};
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_cvtsi32_si128(four)),
+                               _mm512_set_epi8(-1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3,
+                                               -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2,
+                                               -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
+                                               -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
 }
-/* The block's 16 int32 lanes for activation codes x: those of units512 (u, u + 1). */
-INLINE __m512i block512(struct unpacked512 k, const int8_t *x, long u) {
-    __m512i first = _mm512_loadu_si512((const void *)(x + u * UNIT));
-    __m512i second = _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT));
-#if defined(__AVX512VNNI__)
-    __m512i eight = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.low, first); /* |lane| <= 8 * 15 * 127 */
-    eight = _mm512_dpbusd_epi32(eight, k.high, second);
-    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), eight, k.steps);
-#else
-    __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(k.low, first), _mm512_maddubs_epi16(k.high, second));
-    return _mm512_madd_epi16(pairs, k.steps);
-#endif
+INLINE __m512i block512(struct unpacked512 k, __m512i steps, const int8_t *x, long u) {
+    __m512i first = _mm512_maddubs_epi16(k.low, _mm512_loadu_si512((const void *)(x + u * UNIT)));
+    __m512i second = _mm512_maddubs_epi16(k.high, _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT)));
+    return _mm512_madd_epi16(_mm512_add_epi16(first, second), steps);
 }
-/* row_dots' AVX-512 loop (blocks of 128) for n activation rows p (stride cols), steps t (stride blocks). */
-INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long cols, const int n,
-                    float *out) {
+/* row_dots' AVX-512 loop (blocks of 128) for n activation rows p (stride cols), steps t (stride ts). */
+INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                    const int n, float *out) {
     const long blocks = cols / 128;
     __m512 f[TILE];
     for (int i = 0; i < n; i++) f[i] = _mm512_setzero_ps();
     for (long b = 0; b < blocks; b++) {
-        struct unpacked512 k = unpack512(w, gs, 2 * b);
+        struct unpacked512 k = unpack512(w, 2 * b);
+        __m512i steps = steps512(gs, 2 * b);
         for (int i = 0; i < n; i++)
-            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block512(k, p + i * cols, 2 * b)),
-                                   _mm512_set1_ps(t[i * blocks + b]), f[i]);
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block512(k, steps, p + i * cols, 2 * b)),
+                                   _mm512_set1_ps(t[i * ts + 2 * b]), f[i]);
     }
     for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(f[i]);
 }
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TILE 4
 #else
 #define TILE 4
+#endif
+#ifndef PAIRED
+#define PAIRED(block) 0
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -392,8 +434,8 @@ INLINE __m256i dot256(struct unpacked256 k, const int8_t *x, long u) {
     return _mm256_madd_epi16(_mm256_add_epi16(first, second), k.steps);
 }
 /* row_dots' AVX2 loop for n activation rows. */
-INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long cols, long block,
-                    const int n, float *out) {
+INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                    long block, const int n, float *out) {
     const long per_block = block / UNIT, blocks = cols / block;
     __m256 f[TILE];
     for (int i = 0; i < n; i++) f[i] = _mm256_setzero_ps();
@@ -405,7 +447,7 @@ INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
             for (int i = 0; i < n; i++) acc[i] = _mm256_add_epi32(acc[i], dot256(unit, p + i * cols, u));
         }
         for (int i = 0; i < n; i++)
-            f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(t[i * blocks + b]), f[i]);
+            f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(t[i * ts + 2 * b]), f[i]);
     }
     for (int i = 0; i < n; i++) out[i] = sum256(f[i]);
 }
@@ -413,8 +455,8 @@ INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
 
 #if !(defined(__AVX2__) && defined(__FMA__))
 /* row_dots' plain C loop for n activation rows: each group's codes unpacked once. */
-INLINE void tile_c(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long cols, long block,
-                   const int n, float *out) {
+INLINE void tile_c(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                   long block, const int n, float *out) {
     const long per_block = block / UNIT, blocks = cols / block;
     for (int i = 0; i < n; i++) out[i] = 0.0f;
     for (long b = 0, g = 0; b < blocks; b++) {
@@ -429,7 +471,7 @@ INLINE void tile_c(const uint8_t *w, const uint8_t *gs, const int8_t *p, const f
                 acc[i] += dot * gs[g];
             }
         }
-        for (int i = 0; i < n; i++) out[i] += (float)acc[i] * t[i * blocks + b];
+        for (int i = 0; i < n; i++) out[i] += (float)acc[i] * t[i * ts + 2 * b];
     }
 }
 #endif
@@ -466,17 +508,18 @@ INLINE void tile_rows(const struct int4_job *j, long r, long i, const int n) {
     const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
     const uint8_t *w = j->qw + r * (cols / 2), *steps = j->gs + r * groups;
     const int8_t *p = j->p + i * cols;
-    const float *t = j->t + i * blocks;
+    const long ts = t_stride(blocks);
+    const float *t = j->t + i * ts;
     float dots[TILE], offsets[TILE];
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (block % 128 == 0)
-        tile512(w, steps, p, t, cols, n, dots);
+        tile512(w, steps, p, t, ts, cols, n, dots);
     else
-        tile256(w, steps, p, t, cols, block, n, dots);
+        tile256(w, steps, p, t, ts, cols, block, n, dots);
 #elif defined(__AVX2__) && defined(__FMA__)
-    tile256(w, steps, p, t, cols, block, n, dots);
+    tile256(w, steps, p, t, ts, cols, block, n, dots);
 #else
-    tile_c(w, steps, p, t, cols, block, n, dots);
+    tile_c(w, steps, p, t, ts, cols, block, n, dots);
 #endif
     offsets_tile(j->gn + r * groups, j->sums + i * groups, groups, n, offsets);
     float d = j->rf[2 * r], e = j->rf[2 * r + 1], b = j->bias ? j->bias[r] : 0.0f;
@@ -507,8 +550,8 @@ enum { ROW_BLOCK = 8 };
 
 static void *int4_job_run(void *arg) {
     const struct int4_job *j = arg;
-    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
-    if (j->m > 2) { /* a prompt's rows, or a batched step's: in tiles */
+    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), ts = t_stride(cols / block);
+    if (j->m > 2 || PAIRED(block)) { /* a prompt's rows, or a batched step's: in tiles */
         for (long r0 = j->first; r0 < j->last; r0 += ROW_BLOCK)
             for (long i = 0; i < j->m; i += TILE)
                 tile_block(j, r0, r0 + ROW_BLOCK < j->last ? r0 + ROW_BLOCK : j->last, i, j->m - i < TILE ? j->m - i : TILE);
@@ -522,7 +565,7 @@ static void *int4_job_run(void *arg) {
             int two = j->m - i >= 2;
             float dots[2];
             row_dots(j->qw + r * (cols / 2), steps, j->p + i * cols, two ? j->p + (i + 1) * cols : NULL,
-                     j->t + i * blocks, two ? j->t + (i + 1) * blocks : NULL, cols, block, dots);
+                     j->t + i * ts, two ? j->t + (i + 1) * ts : NULL, cols, block, dots);
             for (long k = 0; k <= two; k++)
                 j->y[(i + k) * j->rows + r] =
                     d * dots[k] - e * offsets_dot(offsets, j->sums + (i + k) * groups, groups) + b;
@@ -544,14 +587,15 @@ int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
     long groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
     /* per activation row: codes, block steps, group sums; per weight row: steps, offsets */
     int8_t *p = malloc((size_t)(m * cols));
-    float *t = malloc(sizeof(float) * (size_t)(m * (blocks + groups)));
+    long ts = t_stride(blocks);
+    float *t = malloc(sizeof(float) * (size_t)(m * (ts + groups)));
     if (!p || !t) {
         free(p);
         free(t);
         return -2;
     }
-    float *sums = t + m * blocks;
-    for (long i = 0; i < m; i++) int4_quantize_row(x + i * cols, cols, p + i * cols, t + i * blocks, sums + i * groups);
+    float *sums = t + m * ts;
+    for (long i = 0; i < m; i++) int4_quantize_row(x + i * cols, cols, p + i * cols, t + i * ts, sums + i * groups);
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > rows) threads = (int)rows;
     if (threads < 1) threads = 1;
