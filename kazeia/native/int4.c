@@ -19,13 +19,17 @@
    at most 4 groups), so a block costs one conversion to float; the offsets meet the exact
    activations, so only the q . x part sees the 8-bit rounding.
 
-   Summation, for a given build: blocks in column order into vector lanes, the lanes in a fixed
-   tree, then the offsets (vector lanes over the groups, then a tree) and the bias. A row's result
-   depends only on that row and the weights: never on m or the other rows (batching relies on it). The
-   instructions: AVX-512 BW with VNNI (vpdpwssd), AVX-512 BW, AVX2 (vpmaddubsw, vpmaddwd), or plain
-   C, chosen by the build's target flags (kazeia/cpu.py); all compute the same integers (no pair
-   sum saturates). One thread for a decoding step's product, on the generation thread (engine.py);
-   a prompt's may split its weight rows over more (int4_gemm, `cpu.team`). */
+   Summation, for a given build: blocks in column order into vector lanes (with VNNI, two blocks
+   share a vector: tile512), the lanes in a fixed tree, then the offsets (vector lanes over the
+   groups, then a tree) and the bias. The work: one weight row against a tile of up to TILE
+   activation rows, each unit's codes unpacked and steps widened once for the tile; a row's
+   instructions are the same whatever the tile's size or place, so its result depends only on
+   that row and the weights, never on m, the other rows or the thread count (batching, prompts and
+   streamed == offline rely on it). The instructions: AVX-512 BW with VNNI (vpdpbusd, vpdpwssd),
+   AVX-512 BW, AVX2 (vpmaddubsw, vpmaddwd), or plain C, chosen by the build's target flags
+   (kazeia/cpu.py); all compute exact integers (no pair sum saturates), and all but VNNI the same
+   float sums. One thread for a decoding step's product, on the generation thread (engine.py); a
+   prompt's may split its weight rows over more (int4_gemm, `cpu.team`). */
 
 #include <math.h>
 #include <stdint.h>
@@ -60,7 +64,7 @@ int int4_kernel(void) {
 static long int4_block(long cols) { return cols % 128 == 0 ? 128 : UNIT; }
 
 /* Where the kernel wants the activation code of column c (the codes are laid out to match the
-   weight bytes, see row_dots): within each unit of 64 columns, the first half-groups (columns
+   weight bytes, see unpack512): within each unit of 64 columns, the first half-groups (columns
    0-15 and 32-47), then the second ones (16-31, 48-63); AVX-512 takes two units at a time in
    blocks of 128: both units' first half-groups, then both second ones. */
 static inline long act_pos(long c, long block) {
@@ -145,25 +149,7 @@ static void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, fl
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The integer sum of unit u (groups 2u, 2u+1) against activation codes x (act_pos order), times
-   the groups' steps (gs, uint8), as 8 int32 lanes. Each group is 16 bytes
-   (byte k: code k low, code 16 + k high), so the low nibbles of a unit are its two groups' first
-   halves and the high nibbles their second halves, one group per 128-bit lane. */
-static inline __m256i unit256(const uint8_t *w, const int8_t *x, const uint8_t *gs, long u) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256i raw = _mm256_loadu_si256((const __m256i *)(w + u * 32));
-    if (u & 1) _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0); /* once a line */
-    __m256i first = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), _mm256_loadu_si256((const __m256i *)(x + u * UNIT)));
-    __m256i second = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
-                                          _mm256_loadu_si256((const __m256i *)(x + u * UNIT + 32)));
-    uint16_t two;
-    memcpy(&two, gs + 2 * u, sizeof two);
-    /* each step widened to int16 across its group's lane (-1: a zero byte) */
-    __m256i steps = _mm256_shuffle_epi8(_mm256_set1_epi16((short)two),
-                                        _mm256_set_epi8(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
-                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
-    return _mm256_madd_epi16(_mm256_add_epi16(first, second), steps); /* pair sums <= 2 * 3810 */
-}
+/* A fixed tree: halves, then quarters, ... */
 static inline float sum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -171,130 +157,6 @@ static inline float sum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* Units u and u + 1 at once (a block of 128 has 2), as unit256: one group per 128-bit lane. */
-static inline __m512i units512(const uint8_t *w, const int8_t *x, const uint8_t *gs, long u) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512i raw = _mm512_loadu_si512((const void *)(w + u * 32));
-    _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
-    __m512i first = _mm512_maddubs_epi16(_mm512_and_si512(raw, low), _mm512_loadu_si512((const void *)(x + u * UNIT)));
-    __m512i second = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
-                                          _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT)));
-    int32_t four;
-    memcpy(&four, gs + 2 * u, sizeof four);
-    /* 128-bit lane l: step l widened to int16 (-1: a zero byte) */
-    __m512i steps = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_cvtsi32_si128(four)),
-                                        _mm512_set_epi8(-1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3,
-                                                        -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2,
-                                                        -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
-                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
-#if defined(__AVX512VNNI__)
-    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_add_epi16(first, second), steps);
-#else
-    return _mm512_madd_epi16(_mm512_add_epi16(first, second), steps);
-#endif
-}
-#endif
-
-/* One weight row (codes w, group steps gs) against one or two activation rows (codes p0, p1 and block
-   steps t0, t1): the sum over blocks of t * (the block's integer sum), per activation row. */
-static void row_dots(const uint8_t *w, const uint8_t *gs, const int8_t *p0, const int8_t *p1, const float *t0,
-                     const float *t1, long cols, long block, float out[2]) {
-    const long per_block = block / UNIT, blocks = cols / block;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (per_block % 2 == 0) {
-        __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
-        for (long b = 0, u = 0; b < blocks; b++) {
-            __m512i i0 = _mm512_setzero_si512(), j0 = _mm512_setzero_si512();
-            __m512i i1 = _mm512_setzero_si512(), j1 = _mm512_setzero_si512();
-            long k = 0;
-            for (; k + 4 <= per_block; k += 4, u += 4) { /* two chains of exact integer sums */
-                i0 = _mm512_add_epi32(i0, units512(w, p0, gs, u));
-                j0 = _mm512_add_epi32(j0, units512(w, p0, gs, u + 2));
-                if (p1) {
-                    i1 = _mm512_add_epi32(i1, units512(w, p1, gs, u));
-                    j1 = _mm512_add_epi32(j1, units512(w, p1, gs, u + 2));
-                }
-            }
-            for (; k < per_block; k += 2, u += 2) {
-                i0 = _mm512_add_epi32(i0, units512(w, p0, gs, u));
-                if (p1) i1 = _mm512_add_epi32(i1, units512(w, p1, gs, u));
-            }
-            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, j0)), _mm512_set1_ps(t0[2 * b]), f0);
-            if (p1) f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i1, j1)), _mm512_set1_ps(t1[2 * b]), f1);
-        }
-        out[0] = _mm512_reduce_add_ps(f0);
-        out[1] = p1 ? _mm512_reduce_add_ps(f1) : 0.0f;
-        return;
-    }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
-    for (long b = 0, u = 0; b < blocks; b++) {
-        __m256i i0 = _mm256_setzero_si256(), j0 = _mm256_setzero_si256();
-        __m256i i1 = _mm256_setzero_si256(), j1 = _mm256_setzero_si256();
-        long k = 0;
-        for (; k + 2 <= per_block; k += 2, u += 2) { /* two chains of exact integer sums */
-            i0 = _mm256_add_epi32(i0, unit256(w, p0, gs, u));
-            j0 = _mm256_add_epi32(j0, unit256(w, p0, gs, u + 1));
-            if (p1) {
-                i1 = _mm256_add_epi32(i1, unit256(w, p1, gs, u));
-                j1 = _mm256_add_epi32(j1, unit256(w, p1, gs, u + 1));
-            }
-        }
-        if (k < per_block) {
-            i0 = _mm256_add_epi32(i0, unit256(w, p0, gs, u));
-            if (p1) i1 = _mm256_add_epi32(i1, unit256(w, p1, gs, u));
-            u++;
-        }
-        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, j0)), _mm256_set1_ps(t0[2 * b]), f0);
-        if (p1) f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i1, j1)), _mm256_set1_ps(t1[2 * b]), f1);
-    }
-    out[0] = sum256(f0);
-    out[1] = p1 ? sum256(f1) : 0.0f;
-#else
-    for (int i = 0; i < 2; i++) {
-        const int8_t *p = i ? p1 : p0;
-        const float *t = i ? t1 : t0;
-        float sum = 0.0f;
-        for (long b = 0, g = 0; p && b < blocks; b++) {
-            int32_t acc = 0;
-            for (long k = 0; k < per_block * (UNIT / GROUP); k++, g++) {
-                int32_t dot = 0;
-                for (int j = 0; j < 16; j++) {
-                    uint8_t byte = w[g * 16 + j];
-                    dot += (int32_t)(byte & 0x0f) * p[g * GROUP + j] + (int32_t)(byte >> 4) * p[g * GROUP + 16 + j];
-                }
-                acc += dot * gs[g];
-            }
-            sum += (float)acc * t[2 * b];
-        }
-        out[i] = sum;
-    }
-#endif
-}
-
-/* The offsets' term of one row: sum over groups of n[g] * sums[g], in vector lanes over the
-   groups in order (16 or 8 lanes; one lane in plain C), then a fixed tree. */
-static float offsets_dot(const int8_t *n, const float *sums, long groups) {
-    long g = 0;
-    float total = 0.0f;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; g + 16 <= groups; g += 16)
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(n + g)))),
-                              _mm512_loadu_ps(sums + g), acc);
-    total = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(n + g)))),
-                              _mm256_loadu_ps(sums + g), acc);
-    total = sum256(acc);
-#endif
-    for (; g < groups; g++) total += (float)n[g] * sums[g];
-    return total;
-}
 
 /* One thread's share of a product: weight rows [first, last) against the m quantized rows. */
 struct int4_job {
@@ -305,12 +167,11 @@ struct int4_job {
     long rows, cols, m, first, last;
 };
 
-/* ---- several activation rows at once (a prompt's, a batched step's) -----------------------------
-   One weight row against a tile of n <= TILE activation rows: each unit's codes are unpacked (and
-   its steps widened) once for the whole tile. Every row's block integers are those of row_dots
-   (the same lanes, exact), converted and summed in the same order, so a row's result is bit for
-   bit the one-row result; only the instructions differ. With VNNI the arithmetic is a kernel of
-   its own (pairs of blocks, below), which every row count takes. */
+/* ---- the kernels: one weight row against a tile of n <= TILE activation rows ------------------
+   A unit of 64 columns (two groups, 32 bytes): one mask and one shift give both groups' first and
+   second halves, one group per 128-bit lane; the products are u8 codes x s8 activation codes, the
+   groups' steps multiply their lanes' sums in int32, and each block of 128 (or 64) columns meets
+   float arithmetic once: its lanes converted and multiplied by the row's block step. */
 #define INLINE static inline __attribute__((always_inline))
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -330,9 +191,8 @@ INLINE struct unpacked512 unpack512(const uint8_t *w, long u) {
    and b + 1 are packed side by side (vpackssdw: in each 128-bit lane, group l of block b, then
    group l of block b + 1) and multiplied by their groups' steps (vpdpwssd), 16 int32 lanes of 16
    products each; converted once and multiplied by the two blocks' steps [t_b t_b t_b+1 t_b+1] per
-   128-bit lane. A row's sums are the same whatever the number of rows: every row of every product
-   takes this path in this build (`PAIRED`), one row as well as a tile. */
-#define PAIRED(block) ((block) % 128 == 0)
+   128-bit lane: per 256 columns and row, four vpdpbusd, one pack, one vpdpwssd, one conversion
+   and one FMA. */
 /* The steps of blocks b (the first 4 bytes of `eight`) and b + 1 (the next 4) as vpdpwssd's
    multipliers: in 128-bit lane l, 4 x int16 step of group l of b, then 4 x that of b + 1. */
 INLINE __m512i pair_steps(uint64_t eight) {
@@ -370,9 +230,8 @@ INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
     for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(f[i]);
 }
 #else
-#define PAIRED(block) 0
-/* units512 split in two: the block's codes and steps (int16 per 128-bit lane) once, then its int32
-   lanes per activation row. */
+/* A block's steps widened to int16 across their groups' 128-bit lanes (once a tile), then its
+   int32 lanes per activation row: two vpmaddubsw, one 16-bit add, one vpmaddwd. */
 INLINE __m512i steps512(const uint8_t *gs, long u) {
     int32_t four;
     memcpy(&four, gs + 2 * u, sizeof four);
@@ -387,7 +246,7 @@ INLINE __m512i block512(struct unpacked512 k, __m512i steps, const int8_t *x, lo
     __m512i second = _mm512_maddubs_epi16(k.high, _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT)));
     return _mm512_madd_epi16(_mm512_add_epi16(first, second), steps);
 }
-/* row_dots' AVX-512 loop (blocks of 128) for n activation rows p (stride cols), steps t (stride ts). */
+/* Blocks of 128, n activation rows p (stride cols), block steps t (stride ts): their dot products. */
 INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
                     const int n, float *out) {
     const long blocks = cols / 128;
@@ -408,12 +267,9 @@ INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
 #else
 #define TILE 4
 #endif
-#ifndef PAIRED
-#define PAIRED(block) 0
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* unit256 split in two: the unit's nibbles and steps once, then its int32 lanes per activation row. */
+/* AVX2 (and AVX-512 for blocks of 64): one unit of 64 columns a vector, one group per 128-bit lane. */
 struct unpacked256 {
     __m256i low, high, steps;
 };
@@ -433,7 +289,7 @@ INLINE __m256i dot256(struct unpacked256 k, const int8_t *x, long u) {
     __m256i second = _mm256_maddubs_epi16(k.high, _mm256_loadu_si256((const __m256i *)(x + u * UNIT + 32)));
     return _mm256_madd_epi16(_mm256_add_epi16(first, second), k.steps);
 }
-/* row_dots' AVX2 loop for n activation rows. */
+/* tile512 for AVX2's vectors: a block's units' integer lanes added (exact), then converted. */
 INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
                     long block, const int n, float *out) {
     const long per_block = block / UNIT, blocks = cols / block;
@@ -454,7 +310,7 @@ INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
 #endif
 
 #if !(defined(__AVX2__) && defined(__FMA__))
-/* row_dots' plain C loop for n activation rows: each group's codes unpacked once. */
+/* Plain C: the same integers per block, summed in one float per row. */
 INLINE void tile_c(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
                    long block, const int n, float *out) {
     const long per_block = block / UNIT, blocks = cols / block;
@@ -476,7 +332,9 @@ INLINE void tile_c(const uint8_t *w, const uint8_t *gs, const int8_t *p, const f
 }
 #endif
 
-/* offsets_dot for n activation rows (sums: stride groups), each group's offsets widened once. */
+/* The offsets' term of n activation rows (sums: stride groups): sum over groups of n8[g] * sums[g],
+   in vector lanes over the groups in order (16 or 8 lanes; one lane in plain C), then a fixed tree;
+   each group's offsets widened once for the tile. */
 INLINE void offsets_tile(const int8_t *n8, const float *sums, long groups, const int n, float *out) {
     long g = 0;
 #if defined(__AVX512F__)
@@ -550,26 +408,9 @@ enum { ROW_BLOCK = 8 };
 
 static void *int4_job_run(void *arg) {
     const struct int4_job *j = arg;
-    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), ts = t_stride(cols / block);
-    if (j->m > 2 || PAIRED(block)) { /* a prompt's rows, or a batched step's: in tiles */
-        for (long r0 = j->first; r0 < j->last; r0 += ROW_BLOCK)
-            for (long i = 0; i < j->m; i += TILE)
-                tile_block(j, r0, r0 + ROW_BLOCK < j->last ? r0 + ROW_BLOCK : j->last, i, j->m - i < TILE ? j->m - i : TILE);
-        return NULL;
-    }
-    for (long r = j->first; r < j->last; r++) { /* a decoding step's one or two rows */
-        const uint8_t *steps = j->gs + r * groups;
-        const int8_t *offsets = j->gn + r * groups;
-        float d = j->rf[2 * r], e = j->rf[2 * r + 1], b = j->bias ? j->bias[r] : 0.0f;
-        for (long i = 0; i < j->m; i += 2) {
-            int two = j->m - i >= 2;
-            float dots[2];
-            row_dots(j->qw + r * (cols / 2), steps, j->p + i * cols, two ? j->p + (i + 1) * cols : NULL,
-                     j->t + i * ts, two ? j->t + (i + 1) * ts : NULL, cols, block, dots);
-            for (long k = 0; k <= two; k++)
-                j->y[(i + k) * j->rows + r] =
-                    d * dots[k] - e * offsets_dot(offsets, j->sums + (i + k) * groups, groups) + b;
-        }
+    for (long r0 = j->first; r0 < j->last; r0 += ROW_BLOCK) {
+        long r1 = r0 + ROW_BLOCK < j->last ? r0 + ROW_BLOCK : j->last;
+        for (long i = 0; i < j->m; i += TILE) tile_block(j, r0, r1, i, j->m - i < TILE ? j->m - i : TILE);
     }
     return NULL;
 }
