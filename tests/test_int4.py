@@ -83,12 +83,13 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     assert torch.equal(linear(x[2:4]), together[2:4])
 
 
-@pytest.mark.parametrize("cols", [1024, 192, 3072])
+@pytest.mark.parametrize("cols", [1024, 192, 384, 3072])
 def test_rows_in_tiles_are_each_rows_one_row_bits(cols):
-    """Three rows or more go through the tiled kernel (several activation rows per unpacked weight
-    unit); one row through the decoding step's kernel. Every row count from 1 to 17 (full tiles and
-    every remainder), in blocks of 128 and of 64 columns, gives each row the bits of its product
-    alone, so that a prompt's rows are those of any other batching and streamed == offline."""
+    """Every row count goes through tiles of up to 8 activation rows (4 with AVX2 and in plain C)
+    per unpacked weight unit; one row is a tile of one. Every row count from 1 to 17 (full tiles
+    and every remainder), in blocks of 128 (an even and an odd number of them: VNNI takes them in
+    pairs) and of 64 columns, gives each row the bits of its product alone, so that a prompt's rows
+    are those of any batching and streamed == offline."""
     gen = torch.Generator().manual_seed(cols)
     linear = Int4Linear.from_float(torch.randn(37, cols, generator=gen) * 0.05, torch.randn(37, generator=gen), LIB)
     x = torch.randn(17, cols, generator=gen) * 2
