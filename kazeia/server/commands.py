@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -63,6 +64,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="let requests set ignore_eos (frames past the end of speech, for benchmarks); refused otherwise",
     )
     _server_args(p, websocket=True)
+    ray = p.add_argument_group("scale-out on Ray Serve (the ray extra; docs/scale-out.md)")
+    ray.add_argument("--replicas", type=int, help="serve this many replicas of the app behind Ray Serve's proxy")
+    ray.add_argument(
+        "--ray-address", help="join the Ray cluster at this address (default: start a local one, stopped on exit)"
+    )
+    ray.add_argument("--min-replicas", type=int, help="autoscale between --min-replicas and --max-replicas")
+    ray.add_argument("--max-replicas", type=int, help="(the autoscaler aims at --max-batch requests per replica)")
 
 
 def add_wyoming_args(p: argparse.ArgumentParser, option_flags: Callable) -> None:
@@ -240,7 +248,20 @@ def serve(args, load: Callable) -> int:
         api_key=args.api_key or None,
         ws_idle_s=args.ws_idle_timeout,
     )
-    serve(load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+    if args.replicas is None:
+        ray_only = [f for f in ("ray_address", "min_replicas", "max_replicas") if getattr(args, f) is not None]
+        if ray_only:
+            raise ValueError(f"--{ray_only[0].replace('_', '-')} needs --replicas N (serving on Ray)")
+        serve(load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    try:
+        from . import rayserve
+    except ImportError as e:
+        return missing_extra("serve --replicas", "ray", e)
+    from . import guarded
+
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=args.log_level.upper())
+    rayserve.run(load, args, guarded(config, args.host))
     return 0
 
 

@@ -256,6 +256,11 @@ class Worker:
             self._active += 1
 
     @property
+    def running(self) -> bool:
+        """Every worker thread started and none ended (a replica's health check on Ray)."""
+        return all(thread.is_alive() for thread in self._threads)
+
+    @property
     def queue_depth(self) -> int:
         return self._jobs.qsize()
 

@@ -1,0 +1,186 @@
+"""`kazeia serve --replicas N`: the application `kazeia serve` runs, as N replicas on Ray Serve.
+
+Each replica is one process with one `Engine` and the app `create_app` builds for it, exactly as
+one `kazeia serve` process builds it (no endpoint is defined here): Ray Serve's HTTP proxy routes
+requests to the replicas, health-checks them, restarts a dead one and, with autoscaling, adds and
+removes them. Every response names its replica in the `x-kazeia-replica` header. Saved voices are
+shared through the voices directory, which every node must see (server/store.py makes its writes
+atomic and its limits count the directory). Needs the `ray` extra; nothing else in the package
+imports this module. Non-goals: a second copy of any route, metrics aggregation (each replica
+keeps its own `/metrics`), the Wyoming server (one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ray import serve
+
+from .config import ServerConfig
+
+log = logging.getLogger("kazeia.server")
+APP_NAME = "kazeia"  # the Ray Serve application
+DEPLOYMENT = "Kazeia"  # its one deployment: the replicas
+REPLICA_HEADER = b"x-kazeia-replica"
+HEALTH_PERIOD_S = 5.0  # Ray asks each replica `check_health` this often
+STOP_S = 5.0  # streams still open this long after a replica is told to stop are cut (as `kazeia serve`'s)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How many replicas, and how big each is."""
+
+    replicas: int  # replicas at start (with autoscaling: the initial count)
+    threads: int  # CPUs Ray reserves for a replica, and torch threads of its engine
+    max_ongoing: int  # requests one replica takes at once (Ray queues more at the proxy)
+    target_ongoing: int  # autoscaling: requests in flight per replica the autoscaler aims at
+    min_replicas: int | None = None  # autoscaling bounds (both None: a fixed count)
+    max_replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "threads", "max_ongoing", "target_ongoing"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        low, high = self.min_replicas, self.max_replicas
+        if (low is None) != (high is None):
+            raise ValueError("--min-replicas and --max-replicas go together (autoscaling between them)")
+        if low is not None and high is not None and not 0 <= low <= self.replicas <= high:
+            raise ValueError(
+                f"autoscaling needs 0 <= --min-replicas ({low}) <= --replicas ({self.replicas}) "
+                f"<= --max-replicas ({high})"
+            )
+
+    def options(self) -> dict:
+        """The deployment's options (Ray Serve's names)."""
+        options: dict = dict(
+            name=DEPLOYMENT,
+            ray_actor_options={"num_cpus": self.threads},
+            max_ongoing_requests=self.max_ongoing,
+            health_check_period_s=HEALTH_PERIOD_S,
+            graceful_shutdown_timeout_s=STOP_S,
+        )
+        if self.min_replicas is None:
+            return {**options, "num_replicas": self.replicas}
+        autoscaling = {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": self.replicas,
+            "target_ongoing_requests": self.target_ongoing,
+        }
+        return {**options, "autoscaling_config": autoscaling}
+
+
+def scale_from(args: argparse.Namespace, config: ServerConfig, cpus: int | None) -> Scale:
+    """The scale the flags ask for. Threads default to this machine's cores shared among the
+    replicas (`cpus`: the local cluster's), or 1 on a cluster joined (its nodes are unknown here)."""
+    replicas = args.replicas
+    threads = args.threads or (max(1, cpus // max(1, replicas)) if cpus else 1)
+    return Scale(
+        replicas,
+        threads,
+        max_ongoing=config.max_batch + config.queue_size,
+        target_ongoing=config.max_batch,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+    )
+
+
+class ReplicaHeader:
+    """ASGI middleware: `x-kazeia-replica: ID` on every HTTP response and WebSocket handshake."""
+
+    def __init__(self, app, replica: str):
+        self.app, self.value = app, replica.encode("ascii")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+
+        async def tagged(message) -> None:
+            if message["type"] in ("http.response.start", "websocket.accept", "websocket.http.response.start"):
+                message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, self.value)]}
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+class Replica:
+    """One replica: the engine `load(args)` gives, served by `create_app(engine, config)`."""
+
+    def __init__(self, load: Callable, args: argparse.Namespace, config: ServerConfig):
+        # Ray's id of this replica (random letters and digits: no host name, address or pid).
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.config = config
+        try:
+            self.engine = load(args)
+        except Exception as e:  # the reason goes to the replica's log; Ray marks it failed and retries
+            log.error("replica %s cannot load %s: %s: %s", self.replica, args.model, type(e).__name__, e)
+            raise
+        self.state = None
+
+    def __serve_build_asgi_app__(self):
+        from .app import create_app
+
+        app = create_app(self.engine, self.config)
+        app.add_middleware(ReplicaHeader, replica=self.replica)
+        self.state = app.state.kazeia
+        log.info("replica %s ready: %s", self.replica, self.config.model_name)
+        return app
+
+    def check_health(self) -> None:
+        """Ray routes nothing to a replica whose check raises, and restarts it."""
+        if self.state is None or not self.state.worker.running:
+            raise RuntimeError(f"replica {self.replica}: the worker has stopped")
+
+
+def application(load: Callable, args: argparse.Namespace, config: ServerConfig, scale: Scale):
+    """The Ray Serve application: `scale.replicas` replicas of `Replica(load, args, config)`."""
+    args = argparse.Namespace(**{**vars(args), "threads": scale.threads})
+    deployment = serve.deployment(serve.ingress()(Replica))
+    return deployment.options(**scale.options()).bind(load, args, config)
+
+
+def run(load: Callable, args: argparse.Namespace, config: ServerConfig) -> None:
+    """Deploy on the cluster at `args.ray_address` (or a local one started here), serve on
+    --host:--port until SIGTERM or Ctrl-C, then remove what was started here: the whole local
+    cluster, or on a cluster joined only this application."""
+    import ray
+
+    local = args.ray_address is None
+    cpus = os.cpu_count() or 1
+    scale = scale_from(args, config, cpus if local else None)
+    if local and scale.replicas * scale.threads > cpus:
+        raise ValueError(
+            f"{scale.replicas} replicas of {scale.threads} threads need {scale.replicas * scale.threads} CPUs; "
+            f"this machine has {cpus} (lower --threads or --replicas, or join a cluster with --ray-address)"
+        )
+    stop = threading.Event()
+
+    def interrupt(*_) -> None:  # while deploying: stop at once, with what was started cleaned up
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(address="local" if local else args.ray_address, include_dashboard=False, num_cpus=cpus if local else None)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
+        serve.run(application(load, args, config, scale), name=APP_NAME, route_prefix="/")
+        for sig in previous:
+            signal.signal(sig, lambda *_: stop.set())
+        log.info("serving %d replicas on http://%s:%d", scale.replicas, args.host, args.port)
+        stop.wait()
+    finally:
+        try:
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
