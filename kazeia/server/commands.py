@@ -240,14 +240,7 @@ def serve(args, load: Callable) -> int:
         )
     except ImportError as e:
         return missing_extra("serve", "server", e)
-    config = server_config(  # checked before the model loads
-        args,
-        args.served_model_name,
-        model_aliases=(*defaults(ServerConfig)["model_aliases"], *args.model_alias),
-        allowed_origins=tuple(o.strip() for arg in args.allowed_origin for o in arg.split(",") if o.strip()),
-        api_key=args.api_key or None,
-        ws_idle_s=args.ws_idle_timeout,
-    )
+    config = serve_config(args)  # checked before the model loads
     if args.replicas is None:
         ray_only = [f for f in ("ray_address", "min_replicas", "max_replicas") if getattr(args, f) is not None]
         if ray_only:
@@ -263,6 +256,18 @@ def serve(args, load: Callable) -> int:
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=args.log_level.upper())
     rayserve.run(load, args, guarded(config, args.host))
     return 0
+
+
+def serve_config(args) -> ServerConfig:
+    """`kazeia serve`'s settings, from its flags."""
+    return server_config(
+        args,
+        args.served_model_name,
+        model_aliases=(*defaults(ServerConfig)["model_aliases"], *args.model_alias),
+        allowed_origins=tuple(o.strip() for arg in args.allowed_origin for o in arg.split(",") if o.strip()),
+        api_key=args.api_key or None,
+        ws_idle_s=args.ws_idle_timeout,
+    )
 
 
 def wyoming(args, load: Callable, options: SynthesisOptions) -> int:

@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, RequestRouter
 
 from .config import ServerConfig
 
@@ -29,6 +32,7 @@ APP_NAME = "kazeia"  # the Ray Serve application
 DEPLOYMENT = "Kazeia"  # its one deployment: the replicas
 REPLICA_HEADER = b"x-kazeia-replica"
 HEALTH_PERIOD_S = 5.0  # Ray asks each replica `check_health` this often
+DEPLOY_POLL_S = 0.5  # how often the deployment's state is read until it runs
 STOP_S = 5.0  # streams still open this long after a replica is told to stop are cut (as `kazeia serve`'s)
 
 
@@ -65,6 +69,7 @@ class Scale:
             max_ongoing_requests=self.max_ongoing,
             health_check_period_s=HEALTH_PERIOD_S,
             graceful_shutdown_timeout_s=STOP_S,
+            request_router_config=RequestRouterConfig(request_router_class=SpreadRouter),
         )
         if self.min_replicas is None:
             return {**options, "num_replicas": self.replicas}
@@ -75,6 +80,17 @@ class Scale:
             "target_ongoing_requests": self.target_ongoing,
         }
         return {**options, "autoscaling_config": autoscaling}
+
+
+class SpreadRouter(FIFOMixin, RequestRouter):
+    """Ray Serve's power of two choices over every replica, wherever it runs: two drawn at random,
+    the one with fewer requests in flight taken. Ray's default router first tries the replicas on
+    the proxy's own node, which piles compute-bound speech onto them while other nodes idle."""
+
+    async def choose_replicas(self, candidate_replicas: list, pending_request=None) -> list[list]:
+        drawn = list(candidate_replicas)
+        random.shuffle(drawn)  # (the order breaks ties)
+        return [drawn[:2]]
 
 
 def scale_from(args: argparse.Namespace, config: ServerConfig, cpus: int | None) -> Scale:
@@ -161,18 +177,20 @@ def run(load: Callable, args: argparse.Namespace, config: ServerConfig) -> None:
             f"this machine has {cpus} (lower --threads or --replicas, or join a cluster with --ray-address)"
         )
     stop = threading.Event()
-
-    def interrupt(*_) -> None:  # while deploying: stop at once, with what was started cleaned up
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(address="local" if local else args.ray_address, include_dashboard=False, num_cpus=cpus if local else None)
+    # After ray.init, which sets a SIGTERM handler of its own: a signal only sets `stop`.
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port}, proxy_location="HeadOnly")
-        serve.run(application(load, args, config, scale), name=APP_NAME, route_prefix="/")
-        for sig in previous:
-            signal.signal(sig, lambda *_: stop.set())
-        log.info("serving %d replicas on http://%s:%d", scale.replicas, args.host, args.port)
+        target = serve.RunTarget(application(load, args, config, scale), name=APP_NAME, route_prefix="/")
+        serve.run_many([target], wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        while not stop.wait(DEPLOY_POLL_S):  # deploying; a signal stops it
+            state = serve.status().applications.get(APP_NAME)
+            if state is not None and state.status == "DEPLOY_FAILED":  # the replicas' log says why
+                raise ValueError(f"the replicas could not be deployed: {state.message}")
+            if state is not None and state.status == "RUNNING":
+                log.info("serving %d replicas on http://%s:%d", scale.replicas, args.host, args.port)
+                break
         stop.wait()
     finally:
         try:
