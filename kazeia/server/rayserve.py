@@ -46,6 +46,7 @@ class Scale:
     target_ongoing: int  # autoscaling: requests in flight per replica the autoscaler aims at
     min_replicas: int | None = None  # autoscaling bounds (both None: a fixed count)
     max_replicas: int | None = None
+    gpus: int = 0  # GPUs Ray reserves for a replica (1 with --device cuda: one replica per GPU)
 
     def __post_init__(self) -> None:
         for name in ("replicas", "threads", "max_ongoing", "target_ongoing"):
@@ -65,7 +66,7 @@ class Scale:
         """The deployment's options (Ray Serve's names)."""
         options: dict = dict(
             name=DEPLOYMENT,
-            ray_actor_options={"num_cpus": self.threads},
+            ray_actor_options={"num_cpus": self.threads, **({"num_gpus": self.gpus} if self.gpus else {})},
             max_ongoing_requests=self.max_ongoing,
             health_check_period_s=HEALTH_PERIOD_S,
             graceful_shutdown_timeout_s=STOP_S,
@@ -105,6 +106,7 @@ def scale_from(args: argparse.Namespace, config: ServerConfig, cpus: int | None)
         target_ongoing=config.max_batch,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
+        gpus=1 if str(getattr(args, "device", "cpu")).startswith("cuda") else 0,
     )
 
 
@@ -133,6 +135,8 @@ class Replica:
         # Ray's id of this replica (random letters and digits: no host name, address or pid).
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.config = config
+        level = getattr(args, "log_level", "info").upper()  # one line per utterance, as `kazeia serve`
+        logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=level)
         try:
             self.engine = load(args)
         except Exception as e:  # the reason goes to the replica's log; Ray marks it failed and retries
@@ -146,7 +150,7 @@ class Replica:
         app = create_app(self.engine, self.config)
         app.add_middleware(ReplicaHeader, replica=self.replica)
         self.state = app.state.kazeia
-        log.info("replica %s ready: %s", self.replica, self.config.model_name)
+        log.info("replica %s ready: %s (process %d)", self.replica, self.config.model_name, os.getpid())
         return app
 
     def check_health(self) -> None:
@@ -177,7 +181,7 @@ def run(load: Callable, args: argparse.Namespace, config: ServerConfig) -> None:
             f"this machine has {cpus} (lower --threads or --replicas, or join a cluster with --ray-address)"
         )
     stop = threading.Event()
-    ray.init(address="local" if local else args.ray_address, include_dashboard=False, num_cpus=cpus if local else None)
+    ray.init(address="local" if local else args.ray_address, num_cpus=cpus if local else None)
     # After ray.init, which sets a SIGTERM handler of its own: a signal only sets `stop`.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
