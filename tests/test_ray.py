@@ -27,6 +27,7 @@ pytest.importorskip("fastapi")
 import httpx  # noqa: E402
 import soundfile  # noqa: E402
 from server_support import free_port, sse_audio, sse_events, start_cli_server, stop_process  # noqa: E402
+from websockets.exceptions import ConnectionClosed  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
 from kazeia.server.rayapp import build  # noqa: E402
@@ -247,16 +248,38 @@ class TestTwoReplicas:
                             got += chunk
                     assert time.monotonic() - killed < 30 and len(got) < 4095 * 3840
                     assert other.read() == expected_short  # the other replica's stream goes on, whole
-        after = speech(service, **short)
-        assert after.status_code == 200 and after.content == expected_short
-        deadline = time.monotonic() + 180  # Ray starts a new replica in the dead one's place
-        back: set[str] = set()
-        while time.monotonic() < deadline and not (back - {survivor}):
-            r = httpx.get(service + "/health", timeout=SPEECH_S)
-            if r.status_code == 200:
-                back.add(r.headers[HEADER])
-        assert doomed not in back and back - {survivor}, back
+        after = speech(service, **short)  # at once: the replacement is still loading
+        assert after.status_code == 200 and after.content == expected_short and after.headers[HEADER] == survivor
+        replaced(service, doomed)
         assert speech(service, **short).content == expected_short
+
+    def test_a_websocket_on_a_killed_replica_is_closed_at_once(self, service):
+        """A live text keeps its utterance open (its text has not ended) when the replica dies."""
+        with connect("ws" + service[len("http") :] + "/v1/audio/speech/stream", open_timeout=30) as ws:
+            doomed = ws.response.headers[HEADER]
+            ws.send(json.dumps({"type": "session.update", "session": {"voice": VOICE, "seed": 3}}))
+            assert json.loads(ws.recv(timeout=SPEECH_S))["type"] == "session.updated"
+            ws.send(json.dumps({"type": "input_text.append", "text": "Hello there, and the text goes on"}))
+            assert json.loads(ws.recv(timeout=SPEECH_S))["type"] == "audio.start"
+            os.kill(replica_pid(doomed), signal.SIGKILL)
+            events = []
+            with pytest.raises(ConnectionClosed):  # not a timeout: closed, without a close frame
+                while True:
+                    message = ws.recv(timeout=30)
+                    if isinstance(message, str):
+                        events.append(json.loads(message)["type"])
+            assert "audio.done" not in events and ws.protocol.close_code == 1006
+        replaced(service, doomed)
+
+
+def replaced(url: str, dead: str) -> None:
+    """Wait (at most 180 s) until two live replicas answer, neither of them `dead`."""
+    deadline, live = time.monotonic() + 180, set()
+    while time.monotonic() < deadline and len(live) < 2:
+        r = httpx.get(url + "/health", timeout=SPEECH_S)
+        if r.status_code == 200 and r.headers[HEADER] != dead:
+            live.add(r.headers[HEADER])
+    assert len(live) == 2, f"no replica came back in the place of {dead}: {live}"
 
 
 def descendants(pid: int) -> set[int]:
