@@ -343,3 +343,16 @@ def test_kazeia_serve_replicas_stops_what_it_started_on_sigterm(tiny_checkpoints
         for pid in started:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_replicas_that_cannot_load_say_why_and_the_command_fails(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    command = [sys.executable, "-m", "kazeia", "serve", "--model", str(broken), "--replicas", "1", "--threads", "1"]
+    command += ["--port", str(free_port())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert f"cannot load {broken}: CheckpointError" in output and "generation_config.json" in output
+    assert "kazeia: error: the replicas could not be deployed" in output
