@@ -1,7 +1,8 @@
 """Many streams at once through the scheduler on a real-size random checkpoint: aggregate audio
 seconds per wall second, per-stream RTF, TTFB p50/p95 and continuity, by concurrency.
 
-    python benchmarks/batch.py [--size 0.6B] [--dtypes int8,int8/bfloat16] [--concurrency solo,4q,4,1/4]
+    python benchmarks/batch.py [--size 0.6B] [--tiny | --model DIR] [--dtypes int8,int8/bfloat16]
+                               [--concurrency solo,4q,4,1/4]
                                [--requests 16] [--frames 15-40] [--gap 0.3] [--ramp S]
                                [--max-chunk-frames N] [--vocoder-lanes 1,2] [--vocoder-dtype D]
                                [--json out.json]
@@ -23,7 +24,8 @@ the level's wall time), leaving out the level's end, when its last requests run 
 neighbours. `after_generation_share`: of the requests' wall time, the share after
 their generation ended (their audio still being decoded; such a stream is out of the batched
 steps, so a vocoder that lags makes the batches smaller). Levels may repeat (`solo,4,solo,4`), to
-alternate them within one run.
+alternate them within one run. Each row is one JSON line; a precision or level that fails prints
+a FAILED line instead, the others still run, and the script exits 1.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import longest_wait, machine, precisions, prepared_checkpoint
+from common import Checkpoints, Outcomes, add_checkpoint_options, longest_wait, machine, precisions
 
 from kazeia import Engine
 
@@ -187,7 +189,7 @@ def run_level(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    add_checkpoint_options(parser)
     parser.add_argument("--dtypes", default="int8,bfloat16")
     parser.add_argument("--concurrency", default="solo,1,2,4", help="levels: solo, N, N/B or Nq (`level`)")
     parser.add_argument("--requests", type=int, default=16, help="requests per level (split among the clients)")
@@ -205,24 +207,40 @@ def main() -> None:
     args = parser.parse_args()
     low, _, high = args.frames.partition("-")
     frames = (int(low), int(high or low))
-    report: dict = {"args": vars(args), "runs": []}
-    for config in args.dtypes.split(","):  # DTYPE, or DTYPE/VOCODER_DTYPE as bench.py takes them
-        chosen = precisions(config if "/" in config else f"{config}/{args.vocoder_dtype}")
-        dtype, vocoder = chosen["dtype"], chosen["vocoder_dtype"]
-        engine = Engine.load(prepared_checkpoint(args.size, dtype), dtype=dtype, vocoder_dtype=vocoder)
-        if "machine" not in report:  # after loading: the engine sets the thread count
-            report["machine"] = machine()
-            print(json.dumps(report["machine"]))
-        one_stream(engine, None, 3, seed=0)  # warm-up: the native library, the first allocations
-        lanes = [int(n) for n in args.vocoder_lanes.split(",") if n] or [None]
-        for name in args.concurrency.split(","):
-            for lane in lanes if level(name)[1] is not None else [None]:
-                got = run_level(engine, name, args.requests, frames, args.gap, args.max_chunk_frames, args.ramp, lane)
+    report: dict = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "runs": []}
+    outcomes = Outcomes()
+    with Checkpoints(args) as checkpoints:
+        report["checkpoint"] = checkpoints.label
+        print(checkpoints.label)
+        for config in args.dtypes.split(","):  # DTYPE, or DTYPE/VOCODER_DTYPE as bench.py takes them
+            chosen = precisions(config if "/" in config else f"{config}/{args.vocoder_dtype}")
+            load = lambda chosen=chosen: Engine.load(checkpoints.prepared(chosen["dtype"]), **chosen)  # noqa: E731
+            engine = outcomes.run(config, load)
+            if engine is not None:
+                levels(engine, chosen, args, frames, report, outcomes)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    outcomes.exit()
+
+
+def levels(engine: Engine, chosen: dict, args, frames: tuple[int, int], report: dict, outcomes: Outcomes) -> None:
+    """Every level of `--concurrency` (each vocoder-lanes value for a scheduler's) on one engine: a row each."""
+    dtype, vocoder = chosen["dtype"], chosen["vocoder_dtype"]
+    if "machine" not in report:  # after loading: the engine sets the thread count
+        report["machine"] = machine()
+        print(json.dumps(report["machine"]))
+    one_stream(engine, None, 3, seed=0)  # warm-up: the native library, the first allocations
+    lanes = [int(n) for n in args.vocoder_lanes.split(",") if n] or [None]
+    for name in args.concurrency.split(","):
+        for lane in lanes if level(name)[1] is not None else [None]:
+            run = lambda name=name, lane=lane: run_level(  # noqa: E731
+                engine, name, args.requests, frames, args.gap, args.max_chunk_frames, args.ramp, lane
+            )
+            got = outcomes.run(f"{dtype}/{vocoder} {name}" + (f" lanes {lane}" if lane else ""), run)
+            if got is not None:
                 row = {"dtype": dtype, "vocoder_dtype": vocoder, **got}
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

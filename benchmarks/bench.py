@@ -1,8 +1,8 @@
 """Kazeia vs the reference (qwen-tts 0.1.1) on real-size random checkpoints, side by side.
 
-    python benchmarks/bench.py [--size 0.6B] [--dtypes float32,bfloat16,int8] [--frames 50]
-                               [--threads N] [--repeats 3] [--reference] [--json out.json]
-                               [--contend N] [--long-seconds 20]
+    python benchmarks/bench.py [--size 0.6B] [--tiny | --model DIR] [--dtypes float32,bfloat16,int8]
+                               [--frames 50] [--threads N] [--repeats 3] [--reference] [--prepared]
+                               [--json out.json] [--contend N] [--long-seconds 20]
 
 A configuration in `--dtypes` is the weights' dtype, optionally with the vocoder's after a slash
 (`bfloat16/bfloat16`; float32 otherwise).
@@ -14,7 +14,8 @@ adds time), the reference's too. Each generation figure is printed as a multiple
 same frames' matrix products run back to back in the same process, with the engine's own weights,
 kernels and shapes and nothing in between (as many frames as generation, timed between the
 generation runs, so both see the same machine). The floor divided into the frame's weight bytes is
-the GEMV bandwidth it reached.
+the GEMV bandwidth it reached. A configuration that fails prints its row as failed; the script then
+exits 1 (benchmarks/common.py, `Outcomes`).
 
 Also per configuration: the first synthesis after loading against the steady one (`1st/steady`),
 and a long stream (`--long-seconds`) played as a player would, from its first chunk with 160 ms
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import longest_wait, machine, precisions, prepared_checkpoint, read_through, real_checkpoint
+from common import Checkpoints, Outcomes, add_checkpoint_options, longest_wait, machine, precisions, read_through
 
 TEXT = "Kazeia reads every weight once per frame, so its speed is set by memory bandwidth."
 VOICE, LANGUAGE = "serena", "english"
@@ -62,20 +63,20 @@ def peak_rss_gb() -> float:
 
 # -- workers (run in a subprocess each) ----------------------------------------------------------
 class StepTimes:
-    """Seconds spent in the frame loop's steps, measured by wrapping them from outside (in
-    kazeia.generate, where `frames()` looks them up): `prefill` and `decode_frame` without the code
-    predictor's 15 steps inside them, and those (`predict_codes`) on their own."""
+    """Seconds spent in the frame loop's steps, measured by wrapping the methods of
+    `kazeia.frame.FrameStep` from outside: the prompt (`prefill`) and each frame (`decode_frame`)
+    without the code predictor's 15 steps inside them, and those (`predict_codes`) on their own."""
 
-    STEPS = ("prefill", "decode_frame", "predict_codes")
+    STEPS = {"prefill": "prefill", "decode_frame": "decode", "predict_codes": "_predict"}  # name -> method
 
     def __init__(self):
         self.seconds = dict.fromkeys(self.STEPS, 0.0)
 
     @contextlib.contextmanager
     def installed(self):
-        from kazeia import generate
+        from kazeia.frame import FrameStep
 
-        originals = {name: getattr(generate, name) for name in self.STEPS}
+        originals = {name: getattr(FrameStep, method) for name, method in self.STEPS.items()}
         inner = [0.0]  # time of wrapped calls made inside the current one
 
         def timed(name, fn):
@@ -92,12 +93,12 @@ class StepTimes:
             return wrapper
 
         for name, fn in originals.items():
-            setattr(generate, name, timed(name, fn))
+            setattr(FrameStep, self.STEPS[name], timed(name, fn))
         try:
             yield self
         finally:
             for name, fn in originals.items():
-                setattr(generate, name, fn)
+                setattr(FrameStep, self.STEPS[name], fn)
 
 
 def continuity(stream) -> float:
@@ -200,18 +201,15 @@ def products_only(engine, frames: int) -> float:
     """Seconds per frame of the frames' matrix products alone, back to back: the same weights,
     kernels and shapes as generation with nothing else in between, over as many frames as the
     generation it is held to (a one-frame sample would be judged against a 50-frame run: the best
-    of a few short samples catches quiet moments of a shared machine that a long run cannot)."""
-    from kazeia.quant import LINEAR_DYNAMIC, QuantLinear
-
+    of a few short samples catches quiet moments of a shared machine that a long run cannot).
+    Each product is its layer's own call, so it runs the kernel the model uses: the native int8,
+    int4 or GEMV product where the layer has one, the int8 GEMM or a stock one where it has not."""
     per_frame, per_group, heads = _products(engine)
-    dtype = engine.model.talker.norm.weight.dtype  # activations (float32 for int8 weights)
+    dtype = engine.model.talker.norm.weight.dtype  # activations (float32 for int8 and int4 weights)
     modules = per_frame + per_group + heads
     x = {m.in_features: torch.randn(1, 1, m.in_features, dtype=dtype) for m in modules}
-    two = {m.in_features: torch.randn(2, m.in_features) for m in modules}
 
-    def product(m):  # the kernel call alone: int8 products run the GEMM on two activation rows
-        if isinstance(m, QuantLinear):
-            return lambda: LINEAR_DYNAMIC(two[m.in_features], m.packed, m.reduce_range)
+    def product(m):
         return lambda: m(x[m.in_features])
 
     frame, group = [product(m) for m in per_frame], [product(m) for m in per_group]
@@ -355,6 +353,7 @@ def spawn(
     read_through(path / "model.safetensors")
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
+        sys.stderr.write(out.stderr)
         return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -364,7 +363,7 @@ def results_threads(results: dict) -> str:
     return "/".join(map(str, values)) or "-"
 
 
-def report(results: dict, bandwidth: dict, args) -> None:
+def report(results: dict, bandwidth: dict, args, checkpoint: str) -> None:
     cols = [
         ("talker_ms", "talker ms/f"),
         ("predictor_ms", "predictor ms/f"),
@@ -383,7 +382,7 @@ def report(results: dict, bandwidth: dict, args) -> None:
         ("long_rtf", "long RTF"),
     ]
     print(
-        f"\n{args.size} CustomVoice (real dimensions, random weights), {args.frames} frames, greedy, "
+        f"\n{checkpoint}, {args.frames} frames, greedy, "
         f"threads per stage {results_threads(results)}, {args.contend} competing busy processes; "
         f"machine: {json.dumps(machine())}"
     )
@@ -394,7 +393,7 @@ def report(results: dict, bandwidth: dict, args) -> None:
     print(f"{'configuration':<22}" + "".join(f"{label:>15}" for _, label in cols))
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<22}  failed: {r['error']}")
+            print(f"{name:<22}  FAILED: {r['error']}")
             continue
         row = f"{name:<22}"
         for key, _ in cols:
@@ -420,7 +419,7 @@ def report(results: dict, bandwidth: dict, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    add_checkpoint_options(parser)
     parser.add_argument("--dtypes", default="float32,bfloat16,int8")
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--threads", type=int, help="torch threads in every process (default: torch's choice)")
@@ -460,27 +459,14 @@ def main() -> None:
         print(json.dumps(figures))
         return
 
-    path = real_checkpoint(args.size)
-    dtypes = args.dtypes.split(",")
-    results = {}
-    long_frames = round(args.long_seconds * 12.5)
-    # --prepared: each precision from a checkpoint `kazeia quantize` prepared for it (made before
-    # the timed runs, outside any competing load).
-    sources = {d: prepared_checkpoint(args.size, d.partition("/")[0]) if args.prepared else path for d in dtypes}
-    with competing(args.contend):
-        for dtype in dtypes:
-            results[f"kazeia {dtype}"] = spawn(
-                "kazeia", sources[dtype], dtype, args.frames, args.threads, args.repeats, long_frames,
-                args.max_chunk_frames,
-            )  # fmt: skip
-        if args.reference:
-            results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads, args.repeats)
-    bandwidth = {d: r["gemv_gbps"] for d, r in zip(dtypes, results.values(), strict=True) if "gemv_gbps" in r}
-    report(results, bandwidth, args)
+    with Checkpoints(args) as checkpoints:
+        results = compare(args, checkpoints)
+    bandwidth = {d: r["gemv_gbps"] for d, r in results.items() if "gemv_gbps" in r}
+    report(results, bandwidth, args, checkpoints.label)
     if args.json:
         payload = {
             "machine": machine(),
-            "size": args.size,
+            "checkpoint": checkpoints.label,
             "frames": args.frames,
             "bandwidth_gbps": bandwidth,
             "weight_reads_per_frame": next((r["weight_reads"] for r in results.values() if "weight_reads" in r), None),
@@ -488,6 +474,37 @@ def main() -> None:
             "cpp_engine_other_run": CPP_ENGINE,
         }
         Path(args.json).write_text(json.dumps(payload, indent=2))
+    outcomes = Outcomes()
+    for name, r in results.items():
+        if "error" in r:
+            outcomes.failed[name] = r["error"]
+    outcomes.exit()
+
+
+def compare(args, checkpoints: Checkpoints) -> dict:
+    """Every configuration in a worker process of its own: name -> its figures or {"error": ...}."""
+    dtypes = args.dtypes.split(",")
+    results = {}
+    long_frames = round(args.long_seconds * 12.5)
+    # --prepared: each precision from a checkpoint `kazeia quantize` prepared for it (made before
+    # the timed runs, outside any competing load).
+    sources = {}
+    for dtype in dtypes:
+        try:
+            sources[dtype] = checkpoints.prepared(dtype) if args.prepared else checkpoints.released
+        except Exception as error:  # e.g. `kazeia quantize` refused it: this configuration fails
+            results[f"kazeia {dtype}"] = {"error": f"{type(error).__name__}: {error}"}
+    with competing(args.contend):
+        for dtype in sources:
+            results[f"kazeia {dtype}"] = spawn(
+                "kazeia", sources[dtype], dtype, args.frames, args.threads, args.repeats, long_frames,
+                args.max_chunk_frames,
+            )  # fmt: skip
+        if args.reference:
+            path = checkpoints.released
+            results["reference float32"] = spawn("reference", path, "float32", args.frames, args.threads, args.repeats)
+    order = [f"kazeia {d}" for d in dtypes] + ["reference float32"] * args.reference
+    return {name: results[name] for name in order}
 
 
 if __name__ == "__main__":

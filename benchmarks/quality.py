@@ -1,6 +1,7 @@
 """Quality guard on a real-size random checkpoint: each reduced precision against float32.
 
-    python benchmarks/quality.py [--size 0.6B] [--dtypes bfloat16,float16,int8,int4,q4_k_m] [--frames 50]
+    python benchmarks/quality.py [--size 0.6B] [--tiny | --model DIR] [--frames 50]
+                                 [--dtypes bfloat16,float16,int8,int4,q4_k_m,q4_k_m/exact]
 
 (`DTYPE/VOCODER_DTYPE` in `--dtypes` also runs the vocoder reduced, e.g. `bfloat16/bfloat16`;
 `q4_k_m` is the float32 model with GGML's Q4_K_M weights and its products' inputs rounded to Q8_K,
@@ -17,41 +18,48 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, precisions, real_checkpoint
+from common import Checkpoints, Outcomes, add_checkpoint_options, machine, precisions
 
 from kazeia import Engine
 from kazeia.testing.ggml import apply_q4_k_m
-from kazeia.testing.quality import compare
+from kazeia.testing.quality import Quality, compare
 
 TEXT = "The quality guard compares every precision with float32 on the same codes."
 
 
+def measure(path: Path, baseline: Engine, dtype: str, frames: int) -> dict:
+    """One configuration's errors against the float32 `baseline`."""
+    if dtype.startswith("q4_k_m"):
+        engine = Engine.load(path)
+        apply_q4_k_m(engine, "float" if dtype.endswith("/exact") else "q8_k")
+    else:
+        engine = Engine.load(path, **precisions(dtype))
+    return asdict(compare(engine, baseline, TEXT, frames, voice="serena"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="0.6B", choices=["0.6B", "1.7B"])
+    add_checkpoint_options(parser)
     parser.add_argument("--dtypes", default="bfloat16,float16,int8,int4,q4_k_m,q4_k_m/exact")
     parser.add_argument("--frames", type=int, default=50)
     parser.add_argument("--json")
     args = parser.parse_args()
-    path = real_checkpoint(args.size)
-    baseline = Engine.load(path)
-    results = {}
-    for dtype in args.dtypes.split(","):
-        if dtype.startswith("q4_k_m"):
-            engine = Engine.load(path)
-            apply_q4_k_m(engine, "float" if dtype.endswith("/exact") else "q8_k")
-        else:
-            engine = Engine.load(path, **precisions(dtype))
-        results[dtype] = asdict(compare(engine, baseline, TEXT, args.frames, voice="serena"))
-    print(f"{args.size} CustomVoice, real dimensions, random weights, {args.frames} frames; {json.dumps(machine())}")
-    keys = list(next(iter(results.values())))
-    print(f"{'dtype':<18}" + "".join(f"{k:>22}" for k in keys))
-    for dtype, q in results.items():
-        print(f"{dtype:<18}" + "".join(f"{q[k]:>22.4f}" for k in keys))
+    outcomes, results = Outcomes(), {}
+    with Checkpoints(args) as checkpoints:
+        path = checkpoints.released
+        baseline = Engine.load(path)
+        print(f"{checkpoints.label}, {args.frames} frames; {json.dumps(machine())}")
+        keys = [field.name for field in fields(Quality)]
+        print(f"{'dtype':<18}" + "".join(f"{k:>22}" for k in keys), flush=True)
+        for dtype in args.dtypes.split(","):
+            q = outcomes.run(dtype, lambda dtype=dtype: measure(path, baseline, dtype, args.frames))
+            if q is not None:
+                results[dtype] = q
+                print(f"{dtype:<18}" + "".join(f"{q[k]:>22.4f}" for k in keys), flush=True)
     if "int8" in results and "bfloat16" in results:
         b, i = results["bfloat16"], results["int8"]
         print(
@@ -65,7 +73,9 @@ def main() -> None:
             f"code predictor x{i['predictor_rel_error'] / g['predictor_rel_error']:.2f} (target <= 1)"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "results": results}, indent=2))
+        payload = {"machine": machine(), "checkpoint": checkpoints.label, "results": results}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+    outcomes.exit()
 
 
 if __name__ == "__main__":

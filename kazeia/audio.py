@@ -30,31 +30,60 @@ MAX_PEAK = 16.0
 
 
 def pcm16(audio: np.ndarray) -> bytes:
-    """Float audio in [-1, 1] -> little-endian signed 16-bit PCM bytes."""
+    """Float audio in [-1, 1] -> little-endian signed 16-bit PCM bytes: the one conversion every
+    front end uses (files, standard output, HTTP, WebSocket, Wyoming), so one utterance is one byte
+    stream wherever it goes."""
+    return _int16(audio).tobytes()
+
+
+def _int16(audio: np.ndarray) -> np.ndarray:
     scaled = np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0) * 32767.0
-    return np.round(scaled).astype("<i2").tobytes()
+    return np.round(scaled).astype("<i2")
 
 
-def open_audio_writer(path: str | Path, sample_rate: int = SAMPLE_RATE):
-    """A soundfile writer for mono audio that arrives in pieces, each written to the file at once;
-    the format follows the extension (WAV without one; 16-bit PCM for WAV and FLAC). The header
-    (WAV sizes, FLAC length) is complete once the writer is closed, however the writing ended."""
+class AudioWriter:
+    """A soundfile writer of mono float audio that arrives in pieces (`open_audio_writer`): 16-bit
+    formats take the samples `pcm16` makes (soundfile's own conversion rounds differently)."""
+
+    def __init__(self, file, pcm: bool):
+        self.file, self.pcm = file, pcm
+
+    def write(self, audio: np.ndarray) -> None:
+        self.file.write(_int16(audio) if self.pcm else np.asarray(audio, dtype=np.float32))
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> AudioWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_audio_writer(path: str | Path, sample_rate: int = SAMPLE_RATE) -> AudioWriter:
+    """A writer for mono audio that arrives in pieces, each written to the file at once; the format
+    follows the extension (WAV without one; 16-bit PCM for WAV and FLAC, the samples `pcm16`
+    makes). The header (WAV sizes, FLAC length) is complete once the writer is closed, however the
+    writing ended."""
     import soundfile as sf
 
     path = Path(path)
-    subtype = "PCM_16" if path.suffix.lower() in (".wav", ".flac", "") else None
+    pcm = path.suffix.lower() in (".wav", ".flac", "")
     try:
-        return sf.SoundFile(
-            str(path), "w", samplerate=sample_rate, channels=1, subtype=subtype, format=None if path.suffix else "WAV"
-        )
+        file = sf.SoundFile(
+            str(path), "w", samplerate=sample_rate, channels=1, subtype="PCM_16" if pcm else None,
+            format=None if path.suffix else "WAV",
+        )  # fmt: skip
     except (sf.LibsndfileError, TypeError, ValueError) as e:
         raise ValueError(f"cannot write audio to {path}: {e}") from None
+    return AudioWriter(file, pcm)
 
 
 def write_audio(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
     """Write mono float audio in [-1, 1] in one piece (`open_audio_writer`)."""
     with open_audio_writer(path, sample_rate) as file:
-        file.write(np.asarray(audio, dtype=np.float32))
+        file.write(audio)
 
 
 def load_reference_audio(source, sample_rate: int = SAMPLE_RATE, max_seconds: float = MAX_REFERENCE_S) -> np.ndarray:

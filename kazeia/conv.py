@@ -1,10 +1,20 @@
-"""The vocoder's causal convolutions, in the layouts they run fastest in, and its SnakeBeta.
+"""The vocoder's causal convolutions, its products and SnakeBeta, on time-major activations.
 
-Scope: `CausalConv` and `TransConv` (channel-major, up to the upsampling), `TimeMajorConv` and
-`TimeMajorTransConv` (time-major, the SnakeBeta decoder), each carrying the inputs the next chunk
-needs in a tail (a slot of `VocoderState.tails`, kazeia/vocoder.py), so any split of a stream into
-chunks gives the same outputs; `SnakeBeta`, fused into the next conv's input where it precedes one.
-Tensors only. Why each layout and threshold was chosen, with figures: docs/design.md ("Vocoder").
+Scope: `TimeMajorConv` (a causal convolution: the decoder's, the pre-conv, the codebooks' 1x1
+projection), `TimeMajorTransConv` (a transposed convolution in its polyphase form: the upsampling
+and the decoder blocks'), `Depthwise` (ConvNeXt's), each carrying the inputs the next chunk needs
+in a tail (a slot of `VocoderState.tails`, kazeia/vocoder.py); `SnakeBeta`, fused into the next
+conv's input; `Tiled` and `TiledLinear`, the native products. Tensors only.
+
+Two implementations, chosen once when the vocoder is loaded (`Vocoder.prepare`):
+
+* native (the CPU, with kazeia/native): every product is conv.c's `vconv`, whose every output
+  value is the same sum in the same order whatever the call (its chunk, its number of positions,
+  the thread count), so any split of a stream into chunks gives the same bits; the depthwise
+  convolution and SnakeBeta are vocoder.c's, computed value by value. Activations are float32;
+  the weights hold the values of the vocoder's dtype.
+* eager (other devices, or no native library): PyTorch's convolutions, which choose their
+  blocking by the call's shape, so chunkings agree to float rounding only.
 
 Shapes: B = batch, L = positions of a call, C = channels; a conv with k taps, dilation d carries
 keep = (k - 1) * d inputs; a transposed conv with stride s, k = taps * s carries taps - 1.
@@ -12,98 +22,80 @@ keep = (k - 1) * d inputs; a transposed conv with stride s, k = taps * s carries
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .matmul import LINEAR_POINTWISE, pack_weight
+from .products import address
 
 SNAKE_EPS = 1e-9
-# Inputs per call from which a transposed conv runs as one polyphase conv (`TimeMajorTransConv`):
-# below it, the conv's per-call weight reorder costs more than its faster arithmetic saves.
-POLYPHASE_MIN_POSITIONS = 256
-# A conv whose weight has this many times more values than its input runs as a matrix product
-# over its k-tap windows (`TimeMajorConv`): the conv would reorder the weight on every call.
-GEMM_MIN_WEIGHT_RATIO = 64
-# Where oneDNN packs matmul weights, a decoder conv or transposed conv with at least this many
-# weights, and every 1x1 conv, runs as one product on its packed weight (`pack`) at every call:
-# measured on each of the vocoder's at 1, 4 and 32 frames a call, that is then as fast or faster
-# (up to 10x for the first conv in 4-frame chunks); the smaller k-tap ones stay oneDNN convs,
-# faster from 4 frames on (docs/design.md).
-PACK_MIN_WEIGHTS = 2_000_000
 
 
-def packs_best(module: nn.Module) -> bool:
-    """Does `module` (a TimeMajorConv or TimeMajorTransConv) run fastest on a packed weight?"""
-    cin, cout, k = module.shape
-    return cin * cout * k >= PACK_MIN_WEIGHTS or (isinstance(module, TimeMajorConv) and k == 1)
+class Tiled(nn.Module):
+    """A convolution's weight packed for conv.c's `vconv`, and its call.
 
-
-class CausalConv(nn.Module):
-    """Conv1d whose (k-1)*d left inputs come from the tail: zeros at the start (the reference's pad)."""
-
-    def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1):
-        super().__init__()
-        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
-        self.keep = (kernel - 1) * dilation  # inputs carried to the next chunk
-        self.slot = -1  # index into VocoderState.tails, set by Vocoder
-
-    def forward(self, x: torch.Tensor, tails: list[torch.Tensor]) -> torch.Tensor:
-        """x (B, C_in, L) -> (B, C_out, L)."""
-        if self.keep == 0:
-            return self.conv(x)
-        x = torch.cat((tails[self.slot], x), dim=-1)  # (B, C_in, keep + L)
-        tails[self.slot] = x[..., -self.keep :].clone()
-        return self.conv(x)
-
-    def new_tail(self, batch: int, **like) -> torch.Tensor:
-        return torch.zeros(batch, self.conv.in_channels, self.keep, **like)
-
-
-def overlap_add(spread: torch.Tensor, keep: int, length: int, cout: int, taps: int, stride: int) -> torch.Tensor:
-    """A transposed conv's outputs from each input's spread of k = taps * s outputs:
-    spread (B, keep + L, C_out * k) time-major -> (B, L, C_out, s), input t's s outputs in row t."""
-    B = spread.shape[0]
-    spread = spread.view(B, -1, cout, taps, stride)  # (B, keep + L, C_out, taps, s)
-    y = spread[:, keep:, :, 0]
-    for tap in range(1, taps):  # input t - tap adds its tap-th block of s outputs
-        y = y + spread[:, keep - tap : keep - tap + length, :, tap]
-    return y
-
-
-class TransConv(nn.Module):
-    """ConvTranspose1d(k, stride s) cut to exactly L*s outputs, the reference's right-only trim.
-
-    Output m depends on inputs m//s back to m//s - (ceil(k/s) - 1), so the tail keeps that many
-    previous inputs: one for k = 2s, none for k = s.
+    weight (N, taps, C_in) (output n, input row t + tap * d, channel c), bias (N,) or None; packed
+    once here. `half`: the weight's values are bfloat16 ones (a bfloat16 vocoder); where the build
+    has bfloat16 pair dot products (AVX512_BF16) they are packed so and the inputs rounded to
+    bfloat16 (`pairs`), else float32 as all others (a float16 vocoder's keep their rounding too).
+    Every output value is one multiply-add chain over tap-major k, then + bias, then + res: the same
+    bits whatever the positions, batch or threads of a call (kazeia/native/conv.c).
     """
 
-    def __init__(self, cin: int, cout: int, kernel: int, stride: int):
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dilation: int = 1,
+        half: bool = False,
+    ):
         super().__init__()
-        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
-        self.stride = stride
-        self.keep = -(-kernel // stride) - 1
-        self.slot = -1
+        self.lib, self.dilation = lib, dilation
+        self.n, self.taps, self.cin = weight.shape
+        self.pairs = int(half and bool(lib.vconv_pairs(self.cin)))
+        rows = weight.detach().float().reshape(self.n, self.taps * self.cin).contiguous()
+        packed = torch.empty(lib.vconv_packed_bytes(self.n, rows.shape[1], self.pairs), dtype=torch.uint8)
+        lib.vconv_pack(rows.data_ptr(), self.n, rows.shape[1], self.pairs, packed.data_ptr())
+        self.register_buffer("weight", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
-    def forward(self, x: torch.Tensor, tails: list[torch.Tensor]) -> torch.Tensor:
-        """x (B, C_in, L) -> (B, C_out, L*s).
+    def forward(self, x: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, keep + L, C_in) float32 -> (B, L, N), + res (B, L, N) when given."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if res is not None and res.stride(-1) != 1:
+            res = res.contiguous()
+        B, rows, _ = x.shape
+        L = rows - (self.taps - 1) * self.dilation
+        y = x.new_empty(B, L, self.n)
+        res_strides = (0, 0) if res is None else (res.stride(0), res.stride(1))
+        failed = self.lib.vconv(x.data_ptr(), x.stride(0), x.stride(1), self.weight.data_ptr(), address(self.bias),
+                                address(res), *res_strides, y.data_ptr(), y.stride(0), y.stride(1), B, L, self.cin,
+                                self.n, self.taps, self.dilation, self.pairs, torch.get_num_threads())  # fmt: skip
+        if failed == -2:
+            raise MemoryError("vconv: out of memory")
+        if failed:
+            raise ValueError(f"vconv refused a ({B}, {rows}, {self.cin}) input for {tuple(self.shape)}")
+        return y
 
-        One matrix product over the inputs (each spreads k outputs) and an `overlap_add` of the
-        `keep` previous inputs' spill-over: the sums of ConvTranspose1d, without its slow
-        small-input kernel on the CPU.
-        """
-        B, _, L = x.shape
-        s, (cin, cout, k) = self.stride, self.conv.weight.shape
-        if self.keep > 0:
-            x = torch.cat((tails[self.slot], x), dim=-1)  # (B, C_in, keep + L)
-            tails[self.slot] = x[..., -self.keep :].clone()
-        spread = torch.matmul(x.transpose(1, 2), self.conv.weight.reshape(cin, cout * k))  # (B, keep + L, C_out*k)
-        y = overlap_add(spread, self.keep, L, cout, k // s, s)
-        y = y.permute(0, 2, 1, 3).reshape(B, cout, L * s)  # (B, C_out, L*s), a fresh copy
-        return y.add_(self.conv.bias[:, None])
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.n, self.taps, self.cin
 
-    def new_tail(self, batch: int, **like) -> torch.Tensor:
-        return torch.zeros(batch, self.conv.in_channels, self.keep, **like)
+
+class TiledLinear(nn.Module):
+    """A Linear's product as a 1-tap `Tiled`: x (..., in) -> (..., out), float32."""
+
+    def __init__(self, lib: ctypes.CDLL, linear: nn.Linear, half: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.tiled = Tiled(lib, linear.weight[:, None, :], linear.bias, half=half)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tiled(x.reshape(1, -1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
 
 def _time_major_input(x: torch.Tensor, tails: list[torch.Tensor], slot: int, keep: int, act: SnakeBeta | None):
@@ -123,123 +115,146 @@ def _time_major_input(x: torch.Tensor, tails: list[torch.Tensor], slot: int, kee
     return padded
 
 
-class _TimeMajorTail:
-    """The carried inputs of a time-major conv: (B, keep, C_in)."""
+class CausalConv(nn.Module):
+    """A Conv1d whose (k-1)*d left inputs come from the tail: zeros at the start (the reference's
+    pad). The parameters of the time-major convolutions below, under the reference's names."""
 
-    keep: int
-    conv: nn.Module
+    def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1):
+        super().__init__()
+        self.conv = nn.Conv1d(cin, cout, kernel, dilation=dilation, groups=groups)
+        self.keep = (kernel - 1) * dilation  # inputs carried to the next chunk
+        self.slot = -1  # index into VocoderState.tails, set by Vocoder
 
     def new_tail(self, batch: int, **like) -> torch.Tensor:
+        """The carried inputs at the start of a stream: (B, keep, C_in) zeros."""
         return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
 
 
-class TimeMajorConv(_TimeMajorTail, CausalConv):
-    """`CausalConv` on time-major activations, (B, L, C_in) -> (B, L, C_out), of act(x) when given.
+class TimeMajorConv(CausalConv):
+    """A causal convolution of act(x) (or x) on time-major activations, (B, L, C_in) -> (B, L, C_out).
 
-    Runs as a (1 x k) conv2d on the channels-last view of x, with no copy in or out: oneDNN's
-    convolutions are faster in that layout. `store_for_reading` stores the weight in that layout
-    too (same shape and values), else PyTorch copies it so on every call. After `pack`, and for a
-    weight much larger than the call's input (GEMM_MIN_WEIGHT_RATIO), it is instead one matrix
-    product over the k-tap windows, as the conv would reorder the weight on every call.
+    Eager: a (1 x k) conv2d on the channels-last view of x, no copy in or out (oneDNN's fastest
+    layout); `store_for_reading` stores the weight in that layout too (same shape and values),
+    else PyTorch copies it so on every call. Native: `Tiled` (`use_native`).
     """
 
     def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1):
         super().__init__(cin, cout, kernel, dilation)
-        self.register_buffer("packed", None, persistent=False)  # (C_out, k*C_in) packed, after `pack`
+        self.native: Tiled | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """(C_in, C_out, k), also once `pack` has dropped conv.weight."""
+        """(C_in, C_out, k), also once `use_native` has dropped conv.weight."""
         return self.conv.in_channels, self.conv.out_channels, self.conv.kernel_size[0]
 
-    def forward(self, x: torch.Tensor, tails: list[torch.Tensor], act: SnakeBeta | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, tails: list[torch.Tensor], act: SnakeBeta | None = None, res: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x (B, L, C_in) -> conv(act(x)) (B, L, C_out), + res (B, L, C_out) when given."""
         x = _time_major_input(x, tails, self.slot, self.keep, act)  # (B, keep + L, C_in)
-        conv, (B, positions, _) = self.conv, x.shape
-        if self.packed is not None:
-            y = LINEAR_POINTWISE(self._windows(x), self.packed, conv.bias, "none", [], "")
-            return y.view(B, positions - self.keep, conv.out_channels)
-        cout, cin, k = conv.weight.shape
-        if conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * x.numel():
-            # The weight, stored (C_out, k, C_in), is read in place, with no per-call reorder.
-            y = torch.addmm(conv.bias, self._windows(x), conv.weight.transpose(1, 2).reshape(cout, k * cin).t())
-            return y.view(B, positions - self.keep, cout)
-        weight = conv.weight.unsqueeze(2)  # (C_out, C_in, 1, k); channels-last when stored (C_out, k, C_in)
-        y = F.conv2d(x.transpose(1, 2).unsqueeze(2), weight, conv.bias, dilation=(1, conv.dilation[0]))
-        return y.squeeze(2).transpose(1, 2)  # (B, L, C_out)
-
-    def _windows(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, keep + L, C_in) -> its L k-tap windows (B * L, k * C_in): a strided view, copied once."""
-        (B, positions, cin), (k, d) = x.shape, (self.conv.kernel_size[0], self.conv.dilation[0])
-        x, L = x.contiguous(), positions - self.keep
-        if k == 1:
-            return x.view(B * L, cin)
-        return x.as_strided((B, L, k, cin), (x.stride(0), cin, d * cin, 1)).reshape(B * L, k * cin)
-
-    @torch.no_grad()
-    def pack(self) -> None:
-        """Put the weight, as the (C_out, k*C_in) matrix of the windows' product, in oneDNN's packed
-        matmul layout (as `TimeMajorTransConv.pack`) in place of conv.weight: every call is then
-        that product."""
-        cin, cout, k = self.shape
-        self.packed = pack_weight(self.conv.weight.transpose(1, 2).reshape(cout, k * cin))
-        self.conv.weight = None
+        if self.native is not None:
+            return self.native(x, res)
+        weight = self.conv.weight.unsqueeze(2)  # (C_out, C_in, 1, k); channels-last when stored (C_out, k, C_in)
+        y = F.conv2d(x.transpose(1, 2).unsqueeze(2), weight, self.conv.bias, dilation=(1, self.conv.dilation[0]))
+        y = y.squeeze(2).transpose(1, 2)  # (B, L, C_out)
+        return y if res is None else y.add_(res)
 
     def store_for_reading(self) -> None:
-        """Store the weight (C_out, k, C_in), the order the conv reads (`Vocoder.load` does this)."""
+        """Store the weight (C_out, k, C_in), the order the eager conv reads (`Vocoder.prepare`)."""
         weight = self.conv.weight.detach()
         stored = weight.transpose(1, 2).contiguous().transpose(1, 2)  # a no-op when already so
         if stored.data_ptr() != weight.data_ptr():
             self.conv.weight = nn.Parameter(stored, requires_grad=False)
 
+    @torch.no_grad()
+    def use_native(self, lib: ctypes.CDLL, half: bool = False, keep_weight: bool = False) -> None:
+        """Run as `Tiled` (`half`: see there) from now on; conv.weight is dropped unless `keep_weight`."""
+        weight = self.conv.weight.permute(0, 2, 1)  # (C_out, k, C_in)
+        self.native = Tiled(lib, weight, self.conv.bias, self.conv.dilation[0], half)
+        if not keep_weight:
+            self.conv.weight = None
 
-class TimeMajorTransConv(_TimeMajorTail, TransConv):
-    """`TransConv` on time-major activations: (B, L, C_in) -> (B, L*s, C_out), of act(x) when given.
 
-    With k = taps * s, output t*s + p is a k=taps convolution of inputs t - taps + 1 .. t with the
-    weights of phase p. For calls of at least POLYPHASE_MIN_POSITIONS inputs it runs so, as one
-    oneDNN conv with s * C_out output channels (phase-major) whose output is already in time order;
-    shorter ones run as `TransConv` does (one product, an overlap-add). After `pack` (Vocoder.load,
-    where `packs_best`), every call is that product, on a weight packed for oneDNN's matmul.
+class TimeMajorTransConv(nn.Module):
+    """ConvTranspose1d(k, stride s) cut to exactly L*s outputs (the reference's right-only trim),
+    of act(x) (or x) on time-major activations: (B, L, C_in) -> (B, L*s, C_out).
+
+    Polyphase: with k = taps * s, output t*s + p is a taps-tap convolution of inputs t - taps + 1
+    .. t with the weights of phase p, so the whole is one causal convolution with s * C_out
+    output channels (phase-major), whose time-major output is already in time order. Eager: a
+    conv2d; native: `Tiled` (`use_native`).
     """
 
     def __init__(self, cin: int, cout: int, kernel: int, stride: int):
-        super().__init__(cin, cout, kernel, stride)
-        self.register_buffer("packed", None, persistent=False)  # (C_out*k, C_in) packed, after `pack`
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
+        self.stride, self.taps = stride, -(-kernel // stride)
+        self.keep = self.taps - 1  # inputs carried to the next chunk
+        self.slot = -1
+        self.native: Tiled | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        """conv.weight's (C_in, C_out, k), also once `pack` has dropped it."""
+        """conv.weight's (C_in, C_out, k), also once `use_native` has dropped it."""
         return self.conv.in_channels, self.conv.out_channels, self.conv.kernel_size[0]
 
-    @torch.no_grad()
-    def pack(self) -> None:
-        """Put the weight in oneDNN's packed matmul layout (CPU, float32 or bfloat16; see
-        `matmul.can_pack`) in place of conv.weight; the polyphase path, which needs the original,
-        is then off."""
-        cin, cout, k = self.shape
-        weight = self.conv.weight.reshape(cin, cout * k).t()  # (C_out*k, C_in), a Linear's (a view: no copy)
-        self.packed = pack_weight(weight)
-        self.conv.weight = None
+    def polyphase(self) -> torch.Tensor:
+        """The weight as a convolution's: (s * C_out, taps, C_in), output p * C_out + n, tap j on
+        input t - (taps - 1) + j, i.e. the transposed conv's kernel position (taps - 1 - j) * s + p."""
+        (cin, cout, k), s = self.shape, self.stride
+        weight = F.pad(self.conv.weight, (0, self.taps * s - k))  # (C_in, C_out, taps * s)
+        weight = weight.view(cin, cout, self.taps, s).permute(3, 1, 2, 0).flip(2)  # (s, C_out, taps, C_in)
+        return weight.reshape(s * cout, self.taps, cin)
 
     def forward(self, x: torch.Tensor, tails: list[torch.Tensor], act: SnakeBeta | None = None) -> torch.Tensor:
         B, L, _ = x.shape
-        s, (cin, cout, k) = self.stride, self.shape
         x = _time_major_input(x, tails, self.slot, self.keep, act)  # (B, keep + L, C_in)
-        taps = k // s
-        if self.packed is not None:
-            spread = LINEAR_POINTWISE(x.reshape(-1, cin), self.packed, None, "none", [], "").view(B, -1, cout * k)
-        elif L >= POLYPHASE_MIN_POSITIONS and taps * s == k:
-            # weight[c_in, c_out, tap*s + p] for input t - tap -> kernel (s*C_out, C_in, 1, taps),
-            # kernel position j = keep - tap, in the channels-last layout the conv reads
-            w = self.conv.weight.view(cin, cout, taps, s).permute(3, 1, 0, 2).flip(-1)  # (s, C_out, C_in, taps)
-            w = w.reshape(s * cout, cin, 1, taps).contiguous(memory_format=torch.channels_last)
-            y = F.conv2d(x.transpose(1, 2).unsqueeze(2), w, self.conv.bias.repeat(s))  # (B, s*C_out, 1, L)
-            return y.squeeze(2).transpose(1, 2).reshape(B, L * s, cout)
+        if self.native is not None:
+            y = self.native(x)  # (B, L, s * C_out)
         else:
-            spread = torch.matmul(x, self.conv.weight.reshape(cin, cout * k))  # (B, keep + L, C_out*k)
-        y = overlap_add(spread, self.keep, L, cout, taps, s)
-        y = y.transpose(2, 3).reshape(B, L * s, cout)  # (B, L*s, C_out), a fresh copy
-        return y.add_(self.conv.bias)
+            weight = self.polyphase().transpose(1, 2).unsqueeze(2)  # (s * C_out, C_in, 1, taps)
+            weight = weight.contiguous(memory_format=torch.channels_last)
+            y = F.conv2d(x.transpose(1, 2).unsqueeze(2), weight, self.conv.bias.repeat(self.stride))
+            y = y.squeeze(2).transpose(1, 2)  # (B, L, s * C_out)
+        return y.reshape(B, L * self.stride, self.shape[1])
+
+    def new_tail(self, batch: int, **like) -> torch.Tensor:
+        return torch.zeros(batch, self.keep, self.conv.in_channels, **like)
+
+    @torch.no_grad()
+    def use_native(self, lib: ctypes.CDLL, half: bool = False) -> None:
+        """Run as `Tiled` on the polyphase weight (`half`: see there) from now on; conv.weight is dropped."""
+        self.native = Tiled(lib, self.polyphase(), self.conv.bias.repeat(self.stride), half=half)
+        self.conv.weight = None
+
+
+class Depthwise(CausalConv):
+    """A causal depthwise convolution (one filter per channel), time-major: (B, L, C) -> (B, L, C).
+    Native: vocoder.c's `depthwise_conv`, each value a multiply-add chain over the taps."""
+
+    def __init__(self, dim: int, kernel: int):
+        super().__init__(dim, dim, kernel, groups=dim)
+        self.lib: ctypes.CDLL | None = None
+        self.register_buffer("taps", None, persistent=False)  # (k, C) float32, after `use_native`
+
+    def forward(self, x: torch.Tensor, tails: list[torch.Tensor]) -> torch.Tensor:
+        x = _time_major_input(x, tails, self.slot, self.keep, None)  # (B, keep + L, C)
+        if self.lib is None:
+            y = F.conv1d(x.transpose(1, 2), self.conv.weight, self.conv.bias, groups=self.conv.groups)
+            return y.transpose(1, 2)
+        B, rows, C = x.shape
+        x, L = x.contiguous(), rows - self.keep
+        y = x.new_empty(B, L, C)
+        taps, bias = self.taps, self.conv.bias
+        self.lib.depthwise_conv(x.data_ptr(), x.stride(0), taps.data_ptr(), bias.data_ptr(), y.data_ptr(),
+                                y.stride(0), B, L, C, taps.shape[0], self.conv.dilation[0])  # fmt: skip
+        return y
+
+    @torch.no_grad()
+    def use_native(self, lib: ctypes.CDLL) -> None:
+        """Run as vocoder.c's `depthwise_conv` from now on (float32 parameters)."""
+        self.lib = lib
+        self.taps = self.conv.weight[:, 0].t().float().contiguous()  # (k, C)
 
 
 class SnakeBeta(nn.Module):
@@ -247,7 +262,7 @@ class SnakeBeta(nn.Module):
 
     `lib`: kazeia/native's library, set when the vocoder is loaded on the CPU (float32): one pass
     of its `snake_beta` (on torch's thread count) instead of five PyTorch passes, as accurate
-    against float64. None: the PyTorch passes."""
+    against float64, each value computed alone. None: the PyTorch passes."""
 
     def __init__(self, dim: int):
         super().__init__()

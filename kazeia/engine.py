@@ -22,25 +22,25 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import numpy as np
 import torch
 
+from . import offline
 from .audio import MAX_REFERENCE_S, SAMPLE_RATE, load_reference_audio
 from .config import ModelConfig
 from .errors import RequestError
 from .model import TTSModel
 from .offline import Assembly, Speech, reference_chunked
-from .options import StreamOptions, SynthesisOptions, resolve
+from .options import ChunkSchedule, StreamOptions, SynthesisOptions, with_overrides
 from .request import Request, TextSource, build_request, check_clone
 from .runtime import Runtime
 from .sampling import SamplingOptions
 from .scheduler import Scheduler
 from .segment import LongTextOptions, Segment
-from .streaming import ChunkSchedule, Metrics, SpeechStream
+from .streaming import Metrics, SpeechStream, open_stream
 from .text import TextTokenizer
-from .utterance import Alone, open_stream, timeline
+from .utterance import Unscheduled, timeline
 from .vocoder import OFFLINE_BLOCK, Vocoder
 from .voices import Voice
 
@@ -85,12 +85,35 @@ class Engine:
         return cls(Runtime.load(path_or_id, device, dtype, vocoder_dtype, tokenizer_regex, offline, threads))
 
     # -- what was loaded and what it accepts -------------------------------------------------
-    cfg: ModelConfig = property(lambda self: self.runtime.cfg)  # type: ignore[assignment]
-    model: TTSModel = property(lambda self: self.runtime.model)  # type: ignore[assignment]
-    vocoder: Vocoder = property(lambda self: self.runtime.vocoder)  # type: ignore[assignment]
-    tokenizer: TextTokenizer = property(lambda self: self.runtime.tokenizer)  # type: ignore[assignment]
-    device: torch.device = property(lambda self: self.runtime.device)  # type: ignore[assignment]
-    defaults: SamplingOptions = property(lambda self: self.runtime.caps.defaults)  # type: ignore[assignment]
+    @property
+    def cfg(self) -> ModelConfig:
+        """The checkpoint's configuration."""
+        return self.runtime.cfg
+
+    @property
+    def model(self) -> TTSModel:
+        """The talker and code predictor."""
+        return self.runtime.model
+
+    @property
+    def vocoder(self) -> Vocoder:
+        """The speech-tokenizer decoder."""
+        return self.runtime.vocoder
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        """The text tokenizer."""
+        return self.runtime.tokenizer
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs."""
+        return self.runtime.device
+
+    @property
+    def defaults(self) -> SamplingOptions:
+        """The sampling options of the checkpoint's generation_config.json."""
+        return self.runtime.caps.defaults
 
     @property
     def model_type(self) -> str:
@@ -162,22 +185,10 @@ class Engine:
         if not isinstance(text, str):
             raise RequestError("text", f"text must be a string, got {type(text).__name__}")
         start = time.perf_counter()
-        request = self.request(text, resolve(SynthesisOptions, options, overrides))
-        rate = self.vocoder.cfg.sample_rate
+        request = build_request(self.runtime.caps, text, with_overrides(SynthesisOptions, options, overrides))
         if reference_chunked_decode:
-            audio, codes, segments, timing = reference_chunked(self.runtime, request, start)
-            wall = time.perf_counter() - start
-            metrics = Metrics(len(codes), len(audio) / rate, wall, wall / (len(audio) / rate), timing[0], wall, 1,
-                              request.seed, generation_s=timing[1])  # fmt: skip
-            return Speech(audio, rate, codes.cpu().numpy(), metrics, tuple(segments))
-        assembly = self.assemble(request, started=start)
-        with assembly.stream:
-            audio = np.concatenate([chunk.audio for chunk in assembly]).astype(np.float32, copy=False)
-        streamed, codes, wall = assembly.stream.metrics, assembly.stream.codes, time.perf_counter() - start
-        assert streamed is not None and codes is not None  # the last chunk is out
-        audio_s = len(audio) / rate
-        metrics = replace(streamed, audio_s=audio_s, wall_s=wall, rtf=wall / audio_s, ttfb_s=wall, chunks=1)
-        return Speech(audio, rate, codes, metrics, tuple(assembly.segments))
+            return reference_chunked(self.runtime, request, start)
+        return self.assemble(request, started=start).speech()
 
     def stream(
         self,
@@ -190,7 +201,7 @@ class Engine:
     ) -> SpeechStream:
         """Like `synthesize`, but yields `AudioChunk`s while generating (`StreamOptions` add the
         chunk schedule: the first chunk after `first_chunk_frames` frames of 80 ms, later ones up to
-        `chunk_frames`, catching up to `max_chunk_frames`; streaming.ChunkSchedule). The schedule
+        `chunk_frames`, catching up to `max_chunk_frames`; options.ChunkSchedule). The schedule
         changes only latency and overhead, never the codes or audio. Use it as an iterator, ideally
         in a `with` block; closing it stops generation before the next frame.
 
@@ -202,9 +213,9 @@ class Engine:
         early. `scheduler`: generate it there, batched with other streams (`Engine.scheduler`),
         with the same codes and audio."""
         started = time.perf_counter()
-        chosen = resolve(StreamOptions, options, overrides)
-        request = self.request(text, chosen)
-        return self.stream_request(request, ChunkSchedule.of(chosen), should_stop, started, scheduler)
+        chosen = with_overrides(StreamOptions, options, overrides)
+        request = build_request(self.runtime.caps, text, chosen)
+        return self.stream_request(request, chosen.schedule, should_stop, started, scheduler)
 
     def request(
         self,
@@ -218,7 +229,7 @@ class Engine:
         `Request` for `frames` or `stream_request`; raises RequestError on anything wrong. A text
         source (not a string) starts being read now. `position_limit`: a caller's (a server's) bound
         on prompt + max_new_tokens, below the model's own."""
-        return build_request(self.runtime.caps, text, resolve(StreamOptions, options, overrides), position_limit)
+        return build_request(self.runtime.caps, text, with_overrides(StreamOptions, options, overrides), position_limit)
 
     def stream_request(
         self,
@@ -232,7 +243,9 @@ class Engine:
         if scheduler is not None and scheduler.runtime is not self.runtime:
             raise ValueError("the scheduler belongs to another engine")
         if scheduler is None:
-            return open_stream(self.runtime, request, Alone(self.runtime, request, should_stop), schedule, started)
+            return open_stream(
+                self.runtime, request, Unscheduled(self.runtime, request, should_stop), schedule, started
+            )
         return open_stream(self.runtime, request, scheduler.source(request, should_stop), schedule, started)
 
     def assemble(
@@ -241,8 +254,9 @@ class Engine:
         """The offline audio of a validated request, chunk by chunk (kazeia/offline.py): the audio
         `synthesize` returns, for writers that take it as it comes (`kazeia say`). Close its
         `stream` (or use it in a `with` block) when done."""
+        started = time.perf_counter() if started is None else started
         stream = self.stream_request(request, ChunkSchedule(OFFLINE_BLOCK, OFFLINE_BLOCK), should_stop, started)
-        return Assembly(self.runtime, request, stream)
+        return Assembly(self.runtime, request, stream, started)
 
     def frames(self, request: Request, should_stop: Callable[[], bool] | None = None) -> Iterator[torch.Tensor]:
         """A validated request's (16,) int64 code frames, those of all its segments one after the
@@ -257,7 +271,7 @@ class Engine:
         max_queue: int = 16,
         on_step: Callable[[int], None] | None = None,
         vocoder_lanes: int | None = None,
-        spare_lanes: int = 1,
+        spare_lanes: int | None = None,
         prompts_at_once: int | None = None,
     ) -> Scheduler:
         """A scheduler generating up to `max_batch` streams of this engine together (one batched
@@ -267,13 +281,10 @@ class Engine:
         `prompts_at_once`: as `Scheduler`'s (defaults: kazeia/placement.py)."""
         return Scheduler(self.runtime, max_batch, max_queue, on_step, vocoder_lanes, spare_lanes, prompts_at_once)
 
-    @torch.inference_mode()
     def decode(self, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
         """codes (frames, 16) -> float32 audio (frames * 1920,): one exact causal decode, or the
         reference's 300-frame restarts with `reference_chunked`."""
-        codes = codes.to(self.device)[None]
-        audio = self.vocoder.decode_reference_chunked(codes) if reference_chunked else self.vocoder(codes)
-        return audio[0].float().cpu().numpy().astype(np.float32, copy=False)
+        return offline.decode(self.runtime, codes, reference_chunked)
 
 
 __all__ = ["Engine", "Speech", "Metrics", "Segment", "LongTextOptions", "Voice", "SAMPLE_RATE"]

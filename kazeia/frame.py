@@ -40,12 +40,15 @@ from .products import MAX_ROWS, row_product
 from .prompt import Prompt, frame_embedding
 from .sampling import SamplingOptions, sample, talker_scores
 from .talker import Talker
-from .vocoder import no_pause
 
 CACHE_BLOCK = 256  # talker KV positions allocated at a time (grown by whole blocks)
 VOICED_CACHE_BYTES = 64 << 20  # voice positions' keys and values kept per model (~0.2 MB a position)
 
 VoicedKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, nkv, n, hd) over n positions
+
+
+def go_on() -> None:
+    """The default `pause` of `FrameStep.decode`: go on at once."""
 
 
 class TalkerCache:
@@ -143,11 +146,11 @@ class FrameStep:
             if voiced:
                 self._voice_positions(prompt.embeds[:, :voiced], state.cache.layers)
             hidden = talker(prompt.embeds[:, voiced:], state.cache.layers, voiced)[:, -1:]  # (1, 1, H)
-            return state, self._frames([state], hidden, no_pause)[0]
+            return state, self._frames([state], hidden, go_on)[0]
 
     @torch.inference_mode()
     def decode(
-        self, states: list[Decoding], texts: list[torch.Tensor], pause: Callable[[], None] = no_pause
+        self, states: list[Decoding], texts: list[torch.Tensor], pause: Callable[[], None] = go_on
     ) -> list[torch.Tensor | None]:
         """The next frame of each request: states[b] steps on the last frame's embedding plus
         texts[b] (1, 1, H), its text-track vector -> its codes (1, 16), or None at its EOS or token
@@ -200,8 +203,9 @@ class FrameStep:
         `pause()` after each step but the last."""
         talker, predictor = self.model.talker, self.model.code_predictor
         first = [state.history[:, state.frames] for state in states]  # (1,) each
+        # (B, 2, H): each request's hidden state, then its codebook-0 embedding
         x = torch.cat([torch.cat((hidden[b : b + 1], talker.codec_embedding(t[:, None])), dim=1) for b, t in
-                       enumerate(first)])  # (B, 2, H)  # fmt: skip
+                       enumerate(first)])  # fmt: skip
         codes = [[token] for token in first]
         for g in range(predictor.num_groups):
             if g > 0:

@@ -2,8 +2,8 @@
 
 It is the only generation loop; offline synthesis, streaming, batched serving and every front end
 consume it. Its steps (the prefill, then one frame step after another: kazeia/frame.py) are run by a
-`Steps`: `Solo` runs them at once in the caller's thread, a scheduler's batch them with other
-requests' in its own thread (kazeia/scheduler.py). Generation ends when the talker samples EOS or
+`Steps`: `CallerSteps` runs them at once in the caller's thread, a scheduler's batch them with
+other requests' in its own thread (kazeia/scheduler.py). Generation ends when the talker samples EOS or
 reaches `max_new_tokens` (frame.py), when the runaway guard stops it, or when the text source or
 `should_stop` says so; `frames()` returns which (its finish reason, kazeia/runaway.py).
 """
@@ -45,7 +45,7 @@ class Steps(abc.ABC):
         return contextlib.nullcontext()
 
 
-class Solo(Steps):
+class CallerSteps(Steps):
     """Each step at once, in the caller's thread, on the frame step alone (B = 1). `team()`: the
     threads of the prefill, asked when it starts (kazeia/placement.py; None: torch's)."""
 

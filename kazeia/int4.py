@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 from torch import nn
 
+from . import cpu
 from .matmul import matrix_product, replace_linears
 from .placement import product_threads
 from .products import ProductSpec, RowProduct, address, check
@@ -316,4 +316,4 @@ def quantize_linears(module: nn.Module, lib: ctypes.CDLL, after_each=None) -> No
             return Int4Linear.from_float(linear.weight, linear.bias, lib)
         return linear.float()
 
-    replace_linears(module, convert, after_each, workers=os.cpu_count() or 1)
+    replace_linears(module, convert, after_each, workers=cpu.usable_cpus())

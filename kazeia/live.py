@@ -1,18 +1,20 @@
 """Live text input: speak while the text is still arriving (e.g. an LLM's token stream).
 
-The streaming text layout feeds the talker one text token per generated frame, so speech can start
-as soon as the first token is known. Text arrives as deltas of any size; `LiveText` tokenizes the
-text received so far and releases only *stable* tokens, those of every pre-token (the tokenizer's
-regex pieces: words, number digits, punctuation runs, whitespace) except the last, which may still
-grow ("Hel" + "lo"), merge with what follows (".\n"), or split differently. The tokens fed are
-therefore exactly those of tokenizing the whole text, whatever the deltas and their timing, so the
-codes and audio equal those of the same text given at once. A text is plain text (kazeia/text.py):
-"<|im_" then "end|>" is those characters, as in the whole text, never a control token whose name
-was split between deltas. Text without spaces (Chinese, Japanese) is one pre-token up to its next
-punctuation mark and starts speaking from there.
+A live text is spoken exactly as the whole text would be: cut into the same segments
+(kazeia/segment.py), each with the same tokens, seed and frame budget, so the codes and audio equal
+those of the same text given at once, whatever the deltas and their timing. `LiveParts` settles
+each segment as soon as no continuation can change it (`split.resettled`: a sentence is complete
+once the next one's first letter is there; a segment closes once the sentence after it cannot fit).
+Within a segment, the streaming text layout feeds the talker one token per generated frame, so
+speech can start with the first tokens certain to be the segment's: those of every pre-token (the
+tokenizer's regex pieces: words, number digits, punctuation runs, whitespace) but the last, which
+may still grow ("Hel" + "lo"), merge with what follows (".\n"), or split differently. Where a
+decision needs text that has not arrived, generation waits for it (within the text's timeouts).
+A text is plain text (kazeia/text.py): "<|im_" then "end|>" is those characters, as in the whole
+text, never a control token whose name was split between deltas.
 
 `TextFeed` is a thread-safe source to push deltas into (servers, callbacks); any iterable or async
-iterable of strings works as well.
+iterable of strings works as well; `LiveText` reads one within its timeouts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import AsyncIterable, Callable, Iterable
 import torch
 
 from .errors import RequestError, check_text
+from .segment import Allowance, LongTextOptions, part_seed
+from .split import resettled
 from .text import TextTokenizer
 
 _END = object()
@@ -95,7 +99,8 @@ class TextTimeout(ValueError):
 
 
 class LiveText:
-    """Token ids of a text that is still arriving, released as they become stable."""
+    """A text that is still arriving, read from its feed as a reader needs more (`_pull`), within
+    its timeouts; what it decides is read off it by `LiveParts`."""
 
     def __init__(
         self,
@@ -112,41 +117,13 @@ class LiveText:
         self.idle_timeout, self.should_stop, self.deadline = idle_timeout, should_stop, deadline
         self._active_at: float | None = None  # monotonic time of the last advancing delta (or the first wait)
         self._ends_at: float | None = None  # monotonic time by which the text must end
-        self.text = ""
-        self.ids: list[int] = []  # stable ids so far (all of them once the source has ended)
+        self.text = ""  # all of it so far
         self.ended = False
         self.first_text_at: float | None = None  # perf_counter() of the first non-empty delta
         self.waits = 0  # times a caller had to wait for text
         # Text tokens the whole text may have (None: no bound but the positions'); over it the text
         # fails with a RequestError as soon as it is known to be (a server's max_input_tokens).
         self.max_tokens: int | None = None
-
-    def need(self, count: int) -> bool:
-        """Block until `count` ids are known or the text has ended; False if asked to stop."""
-        waited = False
-        while len(self.ids) < count and not self.ended:
-            waited = True
-            if not self._pull():
-                return False
-        self.waits += waited
-        return True
-
-    def wait_for_end(self) -> bool:
-        """Block until the whole text has arrived; False if asked to stop."""
-        while not self.ended:
-            if not self._pull():
-                return False
-        return True
-
-    def start(self) -> bool:
-        """Block until the first stable token of a text that is not only whitespace (or the end);
-        False if asked to stop. An empty or whitespace-only text is a ValueError, as for strings."""
-        while not self.ended and not (self.ids and self.text.strip()):
-            if not self._pull():
-                return False
-        if not self.text.strip():
-            raise RequestError("text", "text is empty")
-        return True
 
     def _pull(self) -> bool:
         """Take one delta (blocking, polling `should_stop`); False if asked to stop."""
@@ -167,15 +144,23 @@ class LiveText:
             raise item
         if item is _END:
             self.ended = True
-            self._update(final=True)
         elif isinstance(item, str) and item:
             if self.first_text_at is None:
                 self.first_text_at = time.perf_counter()
             if item.strip():  # only text that advances the utterance counts as activity
                 self._active_at = time.monotonic()
             self.text += item
-            self._update(final=False)
+        if self.max_tokens is not None:
+            self._check_tokens(self.max_tokens)
         return True
+
+    def _check_tokens(self, limit: int) -> None:
+        """Refuse the text once it is known to have more than `limit` tokens: those of every
+        pre-token but the last (they stay whatever follows), or all of them once it has ended."""
+        tokenizer = self.tokenizer
+        count = len(tokenizer.text_ids(self.text) if self.ended else stable_ids(tokenizer, self.text))
+        if count > limit:
+            raise RequestError("text", f"text is {count} tokens long; at most {limit} are accepted")
 
     def _check_time(self) -> None:
         now = time.monotonic()
@@ -184,31 +169,151 @@ class LiveText:
         if self.idle_timeout is not None and self._active_at is not None and now > self._active_at + self.idle_timeout:
             raise TextTimeout(f"no new text arrived for {self.idle_timeout:g} s (text_timeout)")
 
-    def _update(self, final: bool) -> None:
-        encoding = self.tokenizer.encoding(self.text)
-        ids = encoding.ids
-        if not final and ids:
-            last_word = encoding.word_ids[-1]
-            ids = [i for i, w in zip(ids, encoding.word_ids, strict=True) if w != last_word]
-        if self.max_tokens is not None and len(ids) > self.max_tokens:  # (stable ones: they stay)
-            raise RequestError("text", f"text is {len(ids)} tokens long; at most {self.max_tokens} are accepted")
-        if ids[: len(self.ids)] != self.ids:  # would mean a tokenizer whose pieces are not independent
-            raise RuntimeError("live text tokenization changed already spoken tokens")
-        self.ids = ids
+
+class LiveParts:
+    """The segments of a text still arriving: exactly those `segment.plan` gives the whole text
+    (where it cuts, each one's tokens, seed and frame budget), each known as soon as no continuation
+    can change it (`split.settled`). Part k begins once its first token is certain; its tokens
+    come as they become certain; where a decision needs text that has not arrived, the caller waits
+    for it (within the text's timeouts). Read in one thread, the one that pulls the text."""
+
+    def __init__(self, live: LiveText, long_text: LongTextOptions, seed: int, max_new_tokens: int, guarded: bool):
+        self.live, self.long_text, self.seed = live, long_text, seed
+        self.max_new_tokens, self.guarded = max_new_tokens, guarded
+        self.tokenizer = live.tokenizer
+        self.pieces: list[str] = []  # the final pieces (raw, as split_text gives them)
+        self.single = True  # the text is, or may still be, one piece
+        self.open: list[int] = []  # the certain text ids of the piece after `pieces`
+        self._seen: tuple[int, bool] = (-1, False)  # the text's length and end when last looked at
+        self.allowance = Allowance(long_text, max_new_tokens, guarded)
+        self.budgets: list[int | None] = []  # the final parts' budgets, taken in order
+
+    def part(self, index: int) -> LivePart | None:
+        """Part `index` once it has begun; None once the text has ended with fewer parts, or when
+        stopped while waiting. An empty text is a RequestError, as for a string."""
+        while True:
+            self._refresh()
+            if index < len(self.pieces) or (index == len(self.pieces) and self.open and self.live.text.strip()):
+                return LivePart(self, index)
+            if self.live.ended:
+                if not self.live.text.strip():
+                    raise RequestError("text", "text is empty")
+                return None
+            if not self.live._pull():
+                return None
+
+    def final(self, index: int) -> bool:
+        return index < len(self.pieces)
+
+    def text(self, index: int) -> str:
+        """A final part's text, as `segment.plan` gives it (the whole text where it is one piece)."""
+        return self.live.text if self.single and self.live.ended else self.pieces[index].strip()
+
+    def ids(self, index: int) -> list[int]:
+        """Part `index`'s text ids known so far: all of them once it is final."""
+        if self.final(index):
+            return self.tokenizer.text_ids(self.text(index))
+        return self.open if index == len(self.pieces) else []
+
+    def wait(self, index: int, count: int) -> bool:
+        """Block until part `index` has `count` ids known or is final; False if stopped."""
+        waited = False
+        while not self.final(index) and len(self.ids(index)) < count and not self.live.ended:
+            waited = True
+            if not self.live._pull():
+                return False
+            self._refresh()
+        self.live.waits += waited
+        return True
+
+    def _refresh(self) -> None:
+        """Settle what the text so far decides: final pieces from where the last one ends (their
+        text never changes), the certain ids of the next."""
+        text, ended = self.live.text, self.live.ended
+        if (len(text), ended) == self._seen:
+            return
+        self._seen = len(text), ended
+        if not self.long_text.segment:  # one piece, whatever its length
+            pieces, certain, single = ([text] if ended else []), text, True
+        else:
+            count = lambda piece: len(self.tokenizer.text_ids(piece))  # noqa: E731
+            budget, at_least = self.long_text.segment_tokens, self.tokenizer.at_least
+            pieces, certain, single = resettled(text, self.pieces, ended, budget, count, at_least)
+        if len(pieces) > len(self.pieces):
+            self.open = []
+        self.pieces, self.single = pieces, single
+        while len(self.budgets) < len(pieces):  # final parts take their frames in order (segment.plan's)
+            self.budgets.append(self.allowance.take(len(self.ids(len(self.budgets)))))
+        if ended or (single and self.long_text.segment and text[:1].isspace()):
+            return  # ended: every part final; one piece keeps leading whitespace, a split one not
+        ids = stable_ids(self.tokenizer, certain if single else certain.lstrip())
+        if len(ids) > len(self.open):  # what was certain stays so
+            self.open = ids
 
 
-def live_trailing(live: LiveText, embed: Callable[[int], torch.Tensor], eos: torch.Tensor, pad: torch.Tensor):
-    """The trailing text track of the streaming layout as a function of the decode step:
-    step s adds token s+1, then tts_eos once the text has ended, then tts_pad; None = stop."""
-
-    def text_at(step: int) -> torch.Tensor | None:
-        if not live.need(step + 2):
-            return None
-        if step + 1 < len(live.ids):
-            return embed(live.ids[step + 1])
-        return eos if step + 1 == len(live.ids) else pad
-
-    return text_at
+def stable_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """The ids of every pre-token of `text` but the last (which may still grow or merge): those
+    that stay whatever follows."""
+    encoding = tokenizer.encoding(text)
+    if not encoding.ids:
+        return []
+    last = encoding.word_ids[-1]
+    return [i for i, w in zip(encoding.ids, encoding.word_ids, strict=True) if w != last]
 
 
-__all__ = ["TextFeed", "LiveText", "TextTimeout", "as_feed", "live_trailing"]
+class LivePart:
+    """One segment of a text still arriving (`LiveParts.part`)."""
+
+    def __init__(self, parts: LiveParts, index: int):
+        self.parts, self.index = parts, index
+        self.seed = part_seed(parts.seed, index)
+
+    def wait_final(self) -> bool:
+        """Block until the part's text is known whole; False if stopped."""
+        parts = self.parts
+        while not parts.final(self.index) and not parts.live.ended:
+            if not parts.live._pull():
+                return False
+            parts._refresh()
+        return True
+
+    @property
+    def text(self) -> str:
+        """The part's text: whole once it is final, else what has arrived of it."""
+        return self.parts.text(self.index) if self.parts.final(self.index) else ""
+
+    @property
+    def text_ids(self) -> tuple[int, ...]:
+        """Its assistant template's ids (once final)."""
+        return tuple(self.parts.tokenizer.wrap_assistant(self.parts.ids(self.index)))
+
+    def budget_at(self, frames: int) -> int | None:
+        """The runaway guard's frame budget, as `segment.plan` gives it, asked with the frames made:
+        known at once while those stay below what the part's known tokens allow (`Allowance.least`),
+        else once it is final (waited for; a stop ends the wait with no budget)."""
+        parts = self.parts
+        if not parts.final(self.index):
+            known = parts.allowance.least(len(parts.ids(self.index)))
+            if frames < known:
+                return known
+            if not self.wait_final():
+                return None
+        return parts.budgets[self.index]
+
+    def trailing(self, embed: Callable[[int], torch.Tensor], eos: torch.Tensor, pad: torch.Tensor):
+        """The trailing text track of the streaming layout as a function of the decode step: step s
+        adds token s+1, then tts_eos once the part is final, then tts_pad; None = stop."""
+        parts, index = self.parts, self.index
+
+        def text_at(step: int) -> torch.Tensor | None:
+            if not parts.wait(index, step + 2):
+                return None
+            ids = parts.ids(index)
+            if step + 1 < len(ids):
+                return embed(ids[step + 1])
+            return eos if step + 1 == len(ids) else pad
+
+        return text_at
+
+
+__all__ = ["TextFeed", "LiveText", "LiveParts", "LivePart", "TextTimeout", "as_feed"]

@@ -21,9 +21,8 @@ from torch import nn
 from . import cpu
 
 LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default  # the resolved overload: no lookup per call
-# The row count oneDNN lays a packed weight out for. Packed for 1 row, float32 products of 2 to 16
-# rows took 1.5-3x as long as packed for 16 (AVX-512 and AVX2 alike; 1 row: the same or faster);
-# from 4 on the hint no longer changes the layout's speed. bfloat16 does not depend on it.
+# The row count oneDNN lays a packed weight out for: packed for one row, float32 products of a few
+# rows are much slower; packed for 16, one row is as fast (docs/design.md, "Generation beside the vocoder").
 PACKING_ROWS = 16
 
 

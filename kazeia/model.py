@@ -105,7 +105,7 @@ class TTSModel(nn.Module):
             self.talker.text_embedding = QuantEmbedding.from_float_chunked(self.talker.text_embedding.weight)
             self.float()
         elif cpu and native_linear.usable(lib, dtype):
-            # Products: the native single-threaded GEMV, for one thread per stage (kazeia/engine.py).
+            # Products: the native single-threaded GEMV, for one thread per stage (kazeia/placement.py).
             replace_linears(self, native_linear.converter(lib), after_each=release_freed_memory)
         elif cpu and can_pack(dtype):
             # Products: oneDNN's packed batch-1 matmul (reads weights faster than the stock kernel).

@@ -18,7 +18,7 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -51,11 +51,23 @@ class Speech:
 
 
 class Assembly:
-    """The offline audio of `request`, chunk by chunk, from `stream` (made with offline blocks)."""
+    """The offline audio of `request`, chunk by chunk, from `stream` (made with offline blocks,
+    opened at perf_counter() `started`)."""
 
-    def __init__(self, runtime: Runtime, request: Request, stream: SpeechStream):
-        self.runtime, self.request, self.stream = runtime, request, stream
+    def __init__(self, runtime: Runtime, request: Request, stream: SpeechStream, started: float):
+        self.runtime, self.request, self.stream, self.started = runtime, request, stream, started
         self.lead = 0  # samples of the reference before the generated audio (known at the end)
+
+    def speech(self) -> Speech:
+        """All of the audio at once, with its codes, metrics and segments (`Engine.synthesize`'s
+        result); the stream is closed after."""
+        with self.stream:
+            audio = np.concatenate([chunk.audio for chunk in self]).astype(np.float32, copy=False)
+        streamed, codes = self.stream.metrics, self.stream.codes
+        assert streamed is not None and codes is not None  # the last chunk is out
+        wall, audio_s = time.perf_counter() - self.started, len(audio) / self.runtime.vocoder.cfg.sample_rate
+        metrics = replace(streamed, audio_s=audio_s, wall_s=wall, rtf=wall / audio_s, ttfb_s=wall, chunks=1)
+        return Speech(audio, self.runtime.vocoder.cfg.sample_rate, codes, metrics, tuple(self.segments))
 
     @property
     def segments(self) -> list[Segment]:
@@ -72,7 +84,7 @@ class Assembly:
             for chunk in self.stream:
                 if not chunk.is_last:
                     spool.write(chunk.audio.tobytes())
-                    held.append(AudioChunk(np.empty(0, np.float32), *_rest(chunk)))
+                    held.append(replace(chunk, audio=np.empty(0, np.float32)))
                     continue
                 frames = len(self.stream.codes) if self.stream.codes is not None else 0
                 lead = self.runtime.priming.lead(ref, frames)
@@ -82,13 +94,8 @@ class Assembly:
                 spool.seek(0)
                 for kept in held:
                     audio = np.frombuffer(spool.read(4 * _samples(kept, self.runtime)), np.float32)
-                    yield AudioChunk(audio, kept.start_sample + self.lead, kept.frames, False, kept.segments)
-                yield AudioChunk(chunk.audio, chunk.start_sample + self.lead, *_rest(chunk)[1:])
-
-
-def _rest(chunk: AudioChunk) -> tuple:
-    """A chunk's fields after its audio."""
-    return chunk.start_sample, chunk.frames, chunk.is_last, chunk.segments
+                    yield replace(kept, audio=audio, start_sample=kept.start_sample + self.lead)
+                yield replace(chunk, start_sample=chunk.start_sample + self.lead)
 
 
 def _samples(chunk: AudioChunk, runtime: Runtime) -> int:
@@ -97,11 +104,21 @@ def _samples(chunk: AudioChunk, runtime: Runtime) -> int:
 
 
 @torch.inference_mode()
-def reference_chunked(runtime: Runtime, request: Request, started: float) -> tuple:
-    """The reference package's decode of all of a request's frames, made once they are all
-    generated: every 300 frames (24 s) a restart from 25 frames of context (identical to one decode
-    up to 300 frames, an approximation after) -> (audio, codes (frames, 16), segments, (seconds
-    from `started` to the first frame, to the last))."""
+def decode(runtime: Runtime, codes: torch.Tensor, reference_chunked: bool = False) -> np.ndarray:
+    """codes (frames, 16) -> float32 audio (frames * 1920,): one exact causal decode, or the
+    reference's 300-frame restarts with `reference_chunked`."""
+    codes = codes.to(runtime.device)[None]
+    vocoder = runtime.vocoder
+    audio = vocoder.decode_reference_chunked(codes) if reference_chunked else vocoder(codes)
+    return audio[0].float().cpu().numpy().astype(np.float32, copy=False)
+
+
+@torch.inference_mode()
+def reference_chunked(runtime: Runtime, request: Request, started: float) -> Speech:
+    """`Engine.synthesize`'s result with the reference package's decode of all of a request's
+    frames, made once they are all generated: every 300 frames (24 s) a restart from 25 frames of
+    context (identical to one decode up to 300 frames, an approximation after). `started`: the
+    call's perf_counter()."""
     frames: list[torch.Tensor] = []
     segments: list[Segment] = []
     first = None
@@ -111,15 +128,18 @@ def reference_chunked(runtime: Runtime, request: Request, started: float) -> tup
             continue
         frames.append(item)
         first = first if first is not None else time.perf_counter() - started
-    timing = (first or 0.0, time.perf_counter() - started)
-    codes = torch.stack(frames)
-    ref, vocoder = request.cond.reference_codes, runtime.vocoder
-    if ref is None:
-        audio = vocoder.decode_reference_chunked(codes.to(runtime.device)[None])[0].float().cpu().numpy()
-    else:
-        audio = runtime.priming.reference_chunked(ref, codes)
+    generated = time.perf_counter() - started
+    codes = torch.stack(frames)  # (frames, 16)
+    ref, rate = request.cond.reference_codes, runtime.vocoder.cfg.sample_rate
+    audio = decode(runtime, codes, True) if ref is None else runtime.priming.reference_chunked(ref, codes)
     if request.speed != 1.0:
-        audio = stretch(audio, request.speed, vocoder.cfg.sample_rate)
-        return audio, codes, [segment.at_speed(request.speed) for segment in segments], timing
-    lead = len(audio) - codes.shape[0] * vocoder.cfg.samples_per_frame  # ICL: the reference's samples kept
-    return audio.astype(np.float32, copy=False), codes, [segment.shifted(lead) for segment in segments], timing
+        audio = stretch(audio, request.speed, rate)
+        segments = [segment.at_speed(request.speed) for segment in segments]
+    else:
+        lead = len(audio) - codes.shape[0] * runtime.vocoder.cfg.samples_per_frame  # ICL: the reference's kept
+        segments = [segment.shifted(lead) for segment in segments]
+    wall, audio_s = time.perf_counter() - started, len(audio) / rate
+    metrics = Metrics(
+        len(codes), audio_s, wall, wall / audio_s, first or 0.0, wall, 1, request.seed, generation_s=generated
+    )
+    return Speech(audio.astype(np.float32, copy=False), rate, codes.cpu().numpy(), metrics, tuple(segments))

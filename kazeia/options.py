@@ -4,7 +4,7 @@
 layout, pace, long-text handling and the sampling options (None there takes the checkpoint's
 generation_config.json value). `StreamOptions` adds how a stream cuts its audio into chunks and how
 long a text still arriving may take. `Engine.synthesize(text, options, **overrides)` and
-`Engine.stream(...)` apply keyword overrides with `dataclasses.replace` (`resolve`); the `kazeia`
+`Engine.stream(...)` apply keyword overrides with `dataclasses.replace` (`with_overrides`); the `kazeia`
 command's flags and the server's request fields are made from these fields, so a new option is a
 field here plus the one place that uses it. Values are checked as the options are made (a
 RequestError naming the field); what depends on the checkpoint (voices, languages, positions) is
@@ -85,9 +85,49 @@ class SynthesisOptions(Described):
 
 
 @dataclass(frozen=True)
+class ChunkSchedule:
+    """Frames per chunk of a stream: `first` for the first chunk (latency), then `rest` (overhead),
+    reached one frame a chunk: with first 1 and rest 4 the chunks hold 1, 2, 3, 4, 4, ... frames.
+    The ramp is for a player that starts with a short buffer: a second chunk of `rest` frames would
+    have to be generated and decoded while the first chunk's 80 ms (plus the buffer) play, and a
+    stream generated a little faster than real time runs dry there; one frame more a chunk keeps
+    each chunk's work within the audio already delivered (BENCHMARKS.md, "long dry s").
+
+    `most` lets a later chunk catch up: when its consumer has fallen behind and more frames than
+    its size are already waiting, the chunk takes them too, up to `most` (None, the default:
+    exactly its size). The vocoder decodes a longer chunk faster per frame (BENCHMARKS.md), so a
+    consumer that the vocoder holds back (many streams on few cores) catches up, while one that
+    keeps up still gets the sizes above. No schedule changes the codes or the audio: the vocoder
+    gives the same bits whatever the chunks (docs/design.md)."""
+
+    first: int = 1
+    rest: int = 4
+    most: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("first_chunk_frames", self.first), ("chunk_frames", self.rest)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise RequestError(name, f"{name} must be an integer >= 1, got {value!r}")
+        most = self.most
+        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.rest):
+            message = f"max_chunk_frames must be an integer >= chunk_frames ({self.rest}) or None, got {most!r}"
+            raise RequestError("max_chunk_frames", message)
+
+    def size(self, index: int) -> int:
+        """Frames in chunk `index` (0 the first)."""
+        return self.first if index == 0 else min(self.rest, self.first + index)
+
+    def limit(self, index: int) -> int:
+        """The most frames chunk `index` may take when they are already waiting."""
+        if index == 0 or self.most is None:
+            return self.size(index)
+        return self.most
+
+
+@dataclass(frozen=True)
 class StreamOptions(SynthesisOptions):
     """`SynthesisOptions` and how a stream delivers its audio. The chunking changes latency and
-    overhead, never the sound (kazeia/streaming.py's `ChunkSchedule`)."""
+    overhead, never the sound (`ChunkSchedule`)."""
 
     first_chunk_frames: int = option(1, "frames (80 ms each) in the first chunk: the first audio's latency")
     chunk_frames: int = option(4, "frames in each later chunk, reached one frame more a chunk")
@@ -101,26 +141,38 @@ class StreamOptions(SynthesisOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _ = self.schedule  # a bad chunk schedule is refused as the options are made
         for name in ("text_timeout", "text_deadline"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
                 raise RequestError(name, f"{name} must be a number of seconds > 0 or None, got {value!r}")
 
+    @property
+    def schedule(self) -> ChunkSchedule:
+        """The chunk schedule these options ask for."""
+        return ChunkSchedule(self.first_chunk_frames, self.chunk_frames, self.max_chunk_frames)
+
 
 Options = TypeVar("Options", bound=SynthesisOptions)
 
 
-def resolve(kind: type[Options], options: SynthesisOptions | None, overrides: dict) -> Options:
+def with_overrides(kind: type[Options], options: SynthesisOptions | None, overrides: dict) -> Options:
     """`options` (None: the defaults) as `kind`, with `overrides` applied (`dataclasses.replace`).
     SynthesisOptions given where StreamOptions are wanted keep their fields and take the stream's
-    defaults. An unknown override is a RequestError naming it and the valid ones."""
+    defaults; StreamOptions given where only SynthesisOptions apply (`Engine.synthesize`) must
+    leave the stream's fields at their defaults. An unknown override, or a stream field set for a
+    call that does not stream, is a RequestError naming it."""
     if options is None:
         options = kind()
     elif not isinstance(options, SynthesisOptions):
         raise RequestError("options", f"options must be SynthesisOptions, got {type(options).__name__}")
-    unknown = sorted(set(overrides) - set(kind.names()))
+    names = kind.names()
+    unknown = sorted(set(overrides) - set(names))
     if unknown:
-        raise RequestError(unknown[0], f"unknown option {unknown[0]!r}; valid options: {', '.join(kind.names())}")
-    if not isinstance(options, kind):
-        options = kind(**{f.name: getattr(options, f.name) for f in fields(options)})
+        raise RequestError(unknown[0], f"unknown option {unknown[0]!r}; valid options: {', '.join(names)}")
+    if type(options) is not kind:
+        for extra in fields(options):
+            if extra.name not in names and getattr(options, extra.name) != extra.default:
+                raise RequestError(extra.name, f"{extra.name} applies to streams only (Engine.stream), not here")
+        options = kind(**{name: getattr(options, name) for name in names if hasattr(options, name)})
     return replace(options, **overrides) if overrides else options

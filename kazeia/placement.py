@@ -43,6 +43,11 @@ def product_threads(rows: int) -> int:
     return cpu.native_threads() if rows >= SPLIT_MIN_ROWS else 1
 
 
+# Decodes that may run on generation's own cores while generation waits (kazeia/lanes.py): one, so
+# that a stream short of audio is decoded without waiting for a vocoder lane.
+SPARE_LANES = 1
+
+
 def stage_threads() -> int:
     """torch threads per stage by default: half the CPUs this process may run on, at least one."""
     return max(1, cpu.usable_cpus() // 2)
@@ -81,7 +86,7 @@ class Running:
 class Placement:
     """The thread decisions of one loaded model (`for_model`)."""
 
-    stage_threads: int  # torch threads of each stage (generation, the vocoder)
+    threads: int  # torch threads of each stage (generation, the vocoder)
     usable_cpus: int  # the CPUs this process may run on
     # every core of the two stages, for a prompt that has the machine to itself; None where there is
     # no more than one stage's threads (one core, a GPU). Its `openmp` is False where Kazeia's own
@@ -108,7 +113,11 @@ class Placement:
         threads on the usable cores (each decode taking as many), at least one."""
         if lanes is not None:
             return lanes
-        return max(1, (self.usable_cpus - self.stage_threads) // self.stage_threads)
+        return max(1, (self.usable_cpus - self.threads) // self.threads)
+
+    def spare_lanes(self, wanted: int | None) -> int:
+        """Decodes that may run on generation's cores while it waits: `wanted`, or `SPARE_LANES`."""
+        return SPARE_LANES if wanted is None else wanted
 
     def prompts_at_once(self, wanted: int | None) -> int:
         """Prompts waiting together that a scheduler runs side by side: `wanted`, or as many as the
@@ -120,7 +129,7 @@ class Placement:
         team = self.prompt_team
         if team is None or not isinstance(team.threads, int):
             return 1
-        return max(1, team.threads // max(1, self.stage_threads))
+        return max(1, team.threads // max(1, self.threads))
 
     def scheduled_prompt_team(
         self, decoding: Callable[[], bool], together: int, running: Callable[[], int]
@@ -135,7 +144,7 @@ class Placement:
             return None
         if team.openmp:
             return None if decoding() or together > 1 else team
-        alone, whole = cpu.native_threads(), team.threads
+        alone, whole = self.threads, team.threads  # generation's own threads; the whole team
         assert isinstance(whole, int)
 
         def now() -> int:

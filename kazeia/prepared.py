@@ -26,15 +26,17 @@ module reads the format (kazeia/model.py loads through it); kazeia/prepare.py wr
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .checkpoint import DTYPES, load_tensors
+from . import cpu, int4
+from .checkpoint import DTYPES, assign, load_tensors
 from .config import CheckpointError
+from .quant import QuantEmbedding, QuantLinear
 
 FORMAT, VERSION = "kazeia-prepared", "1"
 QUANTIZED = ("int8", "int4")  # stored under module names, as the products multiply them
@@ -43,8 +45,6 @@ WEIGHTS = "model.safetensors"
 
 def prepared_dtype(path: Path) -> str | None:
     """The precision `path` (a model.safetensors) was prepared for, None for a released file."""
-    from safetensors import SafetensorError, safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -66,10 +66,6 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple
     output heads, HeadLinear), the text embedding a QuantEmbedding, the rest is assigned strictly
     (a missing, unexpected or mis-shaped tensor names itself). Tensors whose names start with one
     of `skipped` are another module's (a Base checkpoint's speaker encoder)."""
-    from . import int4
-    from .checkpoint import assign
-    from .quant import QuantEmbedding
-
     tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(skipped))
     wide = int4.wide_products(model) if dtype == "int4" else set()
     jobs = []  # (parent, attribute, a function making the product)
@@ -79,7 +75,7 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple
                 name = f"{parent_name}.{child}" if parent_name else child
                 jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, name in wide)))
     # Packing the weights for the int8 GEMM is most of the time left; torch releases the GIL there.
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), cpu.usable_cpus()))) as pool:
         made = list(pool.map(lambda job: job[2](), jobs))
     for (parent, child, _), linear in zip(jobs, made, strict=True):
         setattr(parent, child, linear)
@@ -99,9 +95,6 @@ def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dty
     """The stored tensors of product `name` taken out of `tensors`, checked against the shape of
     `linear`; returns a function that builds its module. `wide`: an int4 product kept in bfloat16
     (`int4.wide_products`)."""
-    from . import int4
-    from .quant import QuantLinear
-
     shape = (linear.out_features, linear.in_features)
     bias = tensors.pop(f"{name}.bias", None)
 

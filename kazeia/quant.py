@@ -24,7 +24,6 @@ rounding; that path has no batched step (kazeia/frame.py steps such requests one
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Callable
 
@@ -40,8 +39,8 @@ from .products import ProductSpec, RowProduct, address, check
 INT8_MAX = 127.0
 MAX_EXPONENT = 17  # residual factors up to 2^16 (decode.c has the same bound)
 # The int8 GEMM's C++ entry point. Calling the op overload itself first walks the arguments in
-# Python looking for fake script objects (a tracing feature, ~5 us per call here, 400+ calls per
-# frame); the packed weight is always a real one, so the binding is called directly when present.
+# Python looking for fake script objects (a tracing feature: microseconds a call, hundreds of calls
+# a frame); the packed weight is always a real one, so the binding is called directly when present.
 _OVERLOAD = torch.ops.quantized.linear_dynamic.default
 LINEAR_DYNAMIC = getattr(_OVERLOAD, "_op", _OVERLOAD)
 
@@ -289,4 +288,4 @@ def quantize_linears(module: nn.Module, lib=None, after_each: Callable[[], None]
     """Replace every nn.Linear inside `module` by a QuantLinear, in place (one weight at a time);
     `lib`: the native library their products use (None: PyTorch operations only)."""
     convert = lambda linear: QuantLinear.from_float(linear.weight, linear.bias, lib)  # noqa: E731
-    replace_linears(module, convert, after_each, workers=os.cpu_count() or 1)  # the GEMM's packing releases the GIL
+    replace_linears(module, convert, after_each, workers=cpu.usable_cpus())  # the GEMM's packing releases the GIL

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from .config import ModelConfig
 from .errors import RequestError, check_text
 from .live import LiveText, TextFeed, as_feed
-from .options import StreamOptions, SynthesisOptions, resolve
+from .options import StreamOptions, SynthesisOptions
 from .prompt import Conditioning, has_text, prompt_positions
 from .sampling import SamplingOptions
 from .segment import LongTextOptions, Part, plan
@@ -63,7 +63,7 @@ class Request:
 
     text_ids: tuple[int, ...]  # the assistant template's ids; () while the text is not known yet
     cond: Conditioning
-    options: SamplingOptions  # the call's, the checkpoint's defaults filling the rest
+    sampling: SamplingOptions  # the call's, the checkpoint's defaults filling the rest
     non_streaming_mode: bool  # the text layout (prompt.py)
     seed: int  # drives every random draw; the same seed gives the same bytes
     live: LiveText | None = None  # text still arriving (a text source rather than a string)
@@ -77,13 +77,17 @@ class Request:
     def guarded(self) -> bool:
         """Whether the runaway guard watches the segments (never with ignore_eos, which asks for
         exactly max_new_tokens - 1 frames)."""
-        return self.long_text.guard and not self.options.ignore_eos
+        return self.long_text.guard and not self.sampling.ignore_eos
 
 
 def validate_options(caps: Capabilities, options: SynthesisOptions) -> Request:
     """Everything but the text, checked against the checkpoint and resolved: a `Request` with no
     text ids yet (a random seed is drawn when none is given)."""
     cond = _conditioning(caps, options.voice, options.language, options.instruct)
+    if options.long_text.carry_context and caps.model_type != "base":
+        raise RequestError(
+            "carry_context", f"carry_context needs a Base checkpoint's in-context layout; this is {caps.model_type}"
+        )
     layout = options.non_streaming_mode
     if layout is None:
         layout = caps.model_type != "base"  # the reference's default per model type
@@ -96,11 +100,12 @@ def build_request(
     caps: Capabilities, text: TextSource, options: SynthesisOptions | None = None, position_limit: int | None = None
 ) -> Request:
     """A whole text, or a source of text still arriving (an iterable or async iterable of deltas,
-    or a `TextFeed`, read from now on, within the options' `text_timeout` and `text_deadline`; its
-    default layout is the one that reads the text while generating, `non_streaming_mode=False`),
-    spoken with `options`. `position_limit`: prompt + max_new_tokens at most this (below the model's
-    own positions), for each segment."""
-    options = resolve(StreamOptions, options, {})
+    or a `TextFeed`, read from now on, within `text_timeout` and `text_deadline`: the options' where
+    they are StreamOptions, else StreamOptions' defaults; its default layout is the one that reads
+    the text while generating, `non_streaming_mode=False`), spoken with `options` (resolved by the
+    caller: options.with_overrides). `position_limit`: prompt + max_new_tokens at most this (below the
+    model's own positions), for each segment."""
+    options = SynthesisOptions() if options is None else options
     if isinstance(text, str):
         check_text("text", text)
         if not text.strip():
@@ -120,7 +125,8 @@ def build_request(
     if options.non_streaming_mode is None:
         options = replace(options, non_streaming_mode=False)
     base = bounded(caps, replace(validate_options(caps, options), position_limit=position_limit), 0)
-    live = LiveText(caps.tokenizer, as_feed(text), options.text_timeout, deadline=options.text_deadline)
+    timing = options if isinstance(options, StreamOptions) else StreamOptions()
+    live = LiveText(caps.tokenizer, as_feed(text), timing.text_timeout, deadline=timing.text_deadline)
     return replace(base, live=live)  # the feed is read from now on
 
 
@@ -134,11 +140,7 @@ def voice_fits(caps: Capabilities, voice: Voice, position_limit: int | None = No
 def _planned(caps: Capabilities, request: Request, text: str) -> Request:
     """`request` with its segments (segment.plan), each bounded by the positions."""
     long_text = request.long_text
-    if long_text.carry_context and caps.model_type != "base":
-        raise RequestError(
-            "carry_context", f"carry_context needs a Base checkpoint's in-context layout; this is {caps.model_type}"
-        )
-    sampling = request.options
+    sampling = request.sampling
     parts = plan(
         text, request.text_ids, caps.tokenizer, long_text, request.seed, sampling.max_new_tokens, request.guarded
     )
@@ -160,7 +162,7 @@ def bounded(caps: Capabilities, request: Request, text_tokens: int, context: tup
     limit, whose = caps.cfg.talker.stack.max_positions, "the model's"
     if request.position_limit is not None and request.position_limit < limit:
         limit, whose = request.position_limit, "the allowed"
-    wanted = request.options.max_new_tokens
+    wanted = request.sampling.max_new_tokens
     if positions >= limit:
         field = "text" if text_tokens else "voice"
         raise RequestError(field, f"the prompt takes {positions} positions; {whose} are {limit} in all")

@@ -16,6 +16,7 @@ stopped it). Non-goals: the frame loop itself (generate.py), segmentation (segme
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 EOS, LENGTH, GUARD, CANCELLED = "eos", "length", "guard", "cancelled"
 FINISH_REASONS = (EOS, LENGTH, GUARD, CANCELLED)
@@ -26,8 +27,10 @@ STILL_TOKENS = 3  # a window with at most this many distinct codebook-0 tokens i
 class RunawayGuard:
     """Watches one segment's frames: `stops(token)` after each frame says whether to end it there."""
 
-    def __init__(self, budget: int | None, loop_frames: int):
-        self.budget = budget  # frames at most (None: only max_new_tokens bounds it)
+    def __init__(self, budget: int | None | Callable[[int], int | None], loop_frames: int):
+        # frames at most (None: only max_new_tokens bounds it); or a function of the frames made that
+        # gives it (a live text's segment: its budget is known once its text is, live.LivePart.budget_at)
+        self.budget = budget
         self.loop_frames = loop_frames
         self.frames = 0
         self.looped = False  # stopped by the loop rule (not the budget)
@@ -37,7 +40,8 @@ class RunawayGuard:
         """Record the codebook-0 token of the frame just made; True: stop the segment after it."""
         self.frames += 1
         self._recent.append(token)
-        if self.budget is not None and self.frames >= self.budget:
+        budget = self.budget(self.frames) if callable(self.budget) else self.budget
+        if budget is not None and self.frames >= budget:
             return True
         self.looped = len(self._recent) == self.loop_frames and is_loop(list(self._recent))
         return self.looped

@@ -26,10 +26,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .offline import Assembly
 from .options import StreamOptions
 from .runaway import CANCELLED
-from .streaming import AudioChunk, ChunkSchedule
+from .streaming import AudioChunk
 
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT), as shells report it
 
@@ -43,7 +42,7 @@ def say(engine, args, options: StreamOptions) -> int:
     shown = args.progress if args.progress is not None else sys.stderr.isatty()
     with _first_interrupt_stops(stop), _sink(args.output) as write:
         if args.stream:  # the smallest chunks for the first audio
-            audio = stream = engine.stream_request(request, ChunkSchedule.of(options), stop.is_set, started)
+            audio = stream = engine.stream_request(request, options.schedule, stop.is_set, started)
         else:
             audio = engine.assemble(request, stop.is_set, started)
             stream = audio.stream
@@ -51,7 +50,7 @@ def say(engine, args, options: StreamOptions) -> int:
             for chunk in audio:
                 write(chunk.audio)
                 bar.advance(chunk)
-    segments = audio.segments if isinstance(audio, Assembly) else stream.segments
+    segments = audio.segments  # an Assembly's are shifted by its lead
     m = stream.metrics
     assert m is not None  # a stream stopped by `stop` still ends with its last chunk
     where = "stdout" if args.output == "-" else args.output

@@ -38,14 +38,14 @@ from .admission import Admission, SchedulerBusy, SchedulerClosed, Ticket
 from .frame import Decoding
 from .generate import StepCancelled
 from .lanes import VocoderLanes
-from .options import StreamOptions, SynthesisOptions, resolve
+from .options import StreamOptions, SynthesisOptions, with_overrides
 from .prompt import Prompt
 from .request import Request, build_request
 from .runtime import Runtime
 from .sampling import SamplingOptions
 from .segment import Segment
-from .streaming import ChunkSchedule, SpeechStream
-from .utterance import open_stream, timeline
+from .streaming import SpeechStream, open_stream
+from .utterance import timeline
 
 log = logging.getLogger(__name__)
 GRACE_S = 0.005  # how long a step waits for a stream of the previous step that has not resubmitted yet
@@ -134,20 +134,20 @@ class Scheduler:
         max_queue: int = 16,
         on_step: Callable[[int], None] | None = None,
         vocoder_lanes: int | None = None,
-        spare_lanes: int = 1,
+        spare_lanes: int | None = None,
         prompts_at_once: int | None = None,
     ):
         """`on_step(size)`: called after each batched step with its number of streams (metrics).
-        `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`; None: the placement's
-        default). `spare_lanes`: decodes that may run, besides, on generation's own cores while it
-        has nothing to run (0: none). `prompts_at_once`: how many prompts that wait at one frame
-        boundary run side by side (`_prefills_held`; None: the placement's default, 1: one after
-        the other)."""
+        `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); `spare_lanes`: decodes
+        that may run, besides, on generation's own cores while it has nothing to run (0: none);
+        `prompts_at_once`: how many prompts that wait at one frame boundary run side by side
+        (`_prefills_held`; 1: one after the other). None: the placement's default
+        (kazeia/placement.py)."""
         placement, step = runtime.placement, runtime.step
         self.admission = Admission(max_batch, max_queue, step.max_batch)
-        self.lanes = VocoderLanes(placement.vocoder_lanes(vocoder_lanes), spare_lanes)
+        self.lanes = VocoderLanes(placement.vocoder_lanes(vocoder_lanes), placement.spare_lanes(spare_lanes))
         self.runtime, self.step = runtime, step
-        self.max_batch, self.max_queue, self.on_step = max_batch, max_queue, on_step
+        self.on_step = on_step
         self._lock = threading.Condition()
         self._model_lock = threading.Lock()  # held by whoever runs the model (generate.Steps.exclusive)
         self._urgent = 0  # streams waiting for the model, or holding it, for their own work (`_exclusive`)
@@ -174,11 +174,11 @@ class Scheduler:
         """`Engine.stream(text, options, **overrides)` with its steps run by this scheduler. Raises
         SchedulerBusy when `max_queue` streams are already waiting for admission. Streams that
         share the CPU often fall behind their generation: `max_chunk_frames` (e.g. 16) lets them
-        catch up (streaming.ChunkSchedule)."""
+        catch up (options.ChunkSchedule)."""
         started = time.perf_counter()
-        chosen = resolve(StreamOptions, options, overrides)
+        chosen = with_overrides(StreamOptions, options, overrides)
         request = build_request(self.runtime.caps, text, chosen)
-        schedule = ChunkSchedule.of(chosen)
+        schedule = chosen.schedule
         return open_stream(self.runtime, request, self.source(request, should_stop), schedule, started)
 
     def source(self, request: Request, should_stop: Callable[[], bool] | None = None) -> Scheduled:

@@ -1,65 +1,24 @@
-"""Long text as segments: how a text is cut, what each segment speaks with, and where its audio lies.
+"""Long text as segments: what each segment speaks with, and where its audio lies.
 
-Scope: `LongTextOptions` (how a text is segmented and guarded); `split_text`, which cuts a text into
-pieces of at most a token budget each: whole paragraphs (a blank line always ends a segment) packed
-from whole sentences, a sentence too long split at clauses (commas, semicolons, colons, dashes), a
-clause too long at spaces between words, and a word too long (a run of Chinese or Japanese without
-punctuation) between characters; `plan`, the `Part`s a request speaks one after the other (each
-piece's tokens, seed and frame budget); and `Segment`, where a spoken part's audio lies in the
-utterance and why it ended. The pieces concatenate back to the text: each keeps the whitespace that
-follows it.
+Scope: `LongTextOptions` (how a text is segmented and guarded); `plan`, the `Part`s a request speaks
+one after the other (the pieces `split.split_text` cuts, each with its tokens, seed and frame
+budget); `Allowance`, the frames a request's segments may make in all; and `Segment`, where a spoken
+part's audio lies in the utterance and why it ended.
 
-Sentence ends: `.`, `!`, `?`, `…` and runs of them (an ellipsis), with closing quotes or brackets,
-followed by whitespace; `。！？` (and their fullwidth relatives) with or without whitespace; and line
-breaks. A full stop is not an end after a known abbreviation ("Dr.", "z. B.", "M.", "т. е."), after a
-single letter (initials), inside a number ("3.14" has no space), or when the next word starts with
-a lowercase letter or a digit ("Wait... what?" is one sentence; "etc. and" too).
-
-Non-goals: the model's prompt (prompt.py), tokenization (text.py: `split_text` only counts tokens
-through the function it is given), generating a part's frames (kazeia/utterance.py) and the runaway
-guard's rules (runaway.py).
+Non-goals: where a text is cut (split.py), the model's prompt (prompt.py), tokenization (text.py),
+generating a part's frames (kazeia/utterance.py) and the runaway guard's rules (runaway.py).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from .described import Described, option
 from .errors import RequestError
 from .sampling import MAX_SEED
 from .speed import output_length
+from .split import split_text
 from .text import CLOSING_IDS, ROLE_IDS, TextTokenizer
-
-# Words that end with a full stop without ending a sentence (compared in lowercase, without the stop).
-ABBREVIATIONS = frozenset(
-    """
-    mr mrs ms dr prof st sr jr vs etc e.g i.e cf no nos vol fig approx dept est inc ltd co corp jan feb mar
-    apr jun jul aug sep sept oct nov dec mt ft gen col lt sgt capt rev hon
-    m mm mme mmes mlle mlles me mgr pr env cie ex p.ex av bd
-    z.b d.h u.a bzw ca evtl ggf inkl nr str tel vgl hr fr dipl
-    sra srta dña dra ud uds pág núm
-    sig dott ing avv
-    т.е т.д т.п г гг им др пр ул стр
-    """.split()
-)
-_TERMINATORS = ".!?…"
-_CJK_TERMINATORS = "。！？｡．"
-_CLOSERS = "\"'”’»)]}」』）】〉》"
-# A sentence end, the closing quotes/brackets after it, and the whitespace after those. A match
-# starts only at the first character of a run of terminators (or of spaces before a newline): from
-# inside a run it could only end where the run's first character's match ends, and trying every
-# position of a long run ("a....b", spaces with no newline) would take time quadratic in its length.
-_SENTENCE_END = re.compile(
-    rf"(?:(?<![{re.escape(_TERMINATORS)}])[{re.escape(_TERMINATORS)}]+[{re.escape(_CLOSERS)}]*(?=\s|$)"
-    rf"|[{_CJK_TERMINATORS}]+[{re.escape(_CLOSERS)}]*)\s*"
-    r"|(?<![^\S\n])[^\S\n]*\n\s*"
-)
-# A clause end: Latin punctuation followed by whitespace, a spaced dash, or CJK clause punctuation.
-_CLAUSE_END = re.compile(r"(?:[,;:](?=\s)|\s[—–-](?=\s)|[，、；：])\s*")
-_PARAGRAPH_END = re.compile(r"\n[^\S\n]*\n\s*")
-_WORD_END = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
@@ -88,10 +47,9 @@ class LongTextOptions(Described):
         return self.floor_frames + self.frames_per_token * text_tokens
 
     def text_budget(self, text_tokens: int) -> int:
-        """Frames a whole text of `text_tokens` tokens may take in all, however it is cut: the
-        segment budgets of that text in segments half full (two consecutive segments of one
-        paragraph never fit one budget together), plus one. Texts of many short paragraphs (each
-        its own segment) have their segments' budgets scaled down to it (`plan`)."""
+        """Frames a text of `text_tokens` tokens may take in all, however it is cut: the segment
+        budgets of that text in segments half full (two consecutive segments of one paragraph never
+        fit one budget together), plus one (`Allowance`)."""
         segments = 2 * -(-text_tokens // self.segment_tokens) + 1
         return self.floor_frames * segments + self.frames_per_token * text_tokens
 
@@ -128,41 +86,68 @@ def plan(
     with its template's ids, its seed and, when `guarded`, its frame budget (None where
     max_new_tokens comes first).
 
-    A request's frames are bounded by its text, whatever its options: at most the larger of
-    `max_new_tokens - 1` (one generation) and `long_text.text_budget` of the whole text. Guarded
-    segments whose budgets add up to more have them scaled down to it; unguarded ones (ignore_eos,
-    or the guard off), each allowed max_new_tokens - 1 frames, are refused (a RequestError naming
-    max_new_tokens) when that many segments could make more."""
+    A request's frames are bounded by its text, whatever its options (`Allowance`)."""
     texts = [text]
     if long_text.segment and len(text_ids) - TEMPLATE_IDS > long_text.segment_tokens:
         count = lambda piece: len(tokenizer.text_ids(piece))  # noqa: E731
         texts = [piece.strip() for piece in split_text(text, long_text.segment_tokens, count)]
     ids = [tuple(text_ids) if len(texts) == 1 else tuple(tokenizer.assistant_ids(piece)) for piece in texts]
-    most = max(max_new_tokens - 1, long_text.text_budget(len(text_ids) - TEMPLATE_IDS))
-    budgets = _budgets([len(i) - TEMPLATE_IDS for i in ids], long_text, max_new_tokens, guarded, most)
-    seeds = [(seed + k * SEED_STEP) % MAX_SEED for k in range(len(texts))]
+    allowance = Allowance(long_text, max_new_tokens, guarded)
+    budgets = [allowance.take(len(i) - TEMPLATE_IDS) for i in ids]
+    seeds = [part_seed(seed, k) for k in range(len(texts))]
     return tuple(Part(*part) for part in zip(texts, ids, seeds, budgets, strict=True))
 
 
-def _budgets(
-    tokens: list[int], long_text: LongTextOptions, max_new_tokens: int, guarded: bool, most: int
-) -> list[int | None]:
-    """Each segment's frame budget (None: max_new_tokens - 1 bounds it), their frames `most` in all."""
-    frames = max_new_tokens - 1
-    if not guarded:
-        if len(tokens) * frames > most:
+def part_seed(seed: int, index: int) -> int:
+    """The seed segment `index` speaks with (segment 0: the request's own)."""
+    return (seed + index * SEED_STEP) % MAX_SEED
+
+
+class Allowance:
+    """The frames a request's segments may make, taken in speaking order, so that a text still
+    arriving (kazeia/live.py) gets each segment's budget as soon as that segment is known, the same
+    as the whole text's: a request's frames are bounded by its text, whatever its options.
+
+    Segments 0..k together may make at most the larger of `max_new_tokens - 1` (one generation) and
+    `long_text.text_budget` of their text tokens. A guarded segment's budget is its own
+    (`frame_budget`) cut to what is left of that (at least 1 frame; None where max_new_tokens - 1
+    comes first), which only a text of many short paragraphs (each a segment, each with a floor)
+    ever reaches. An unguarded segment (ignore_eos, or the guard off) may make max_new_tokens - 1
+    frames: one that would go past what is left is a RequestError naming max_new_tokens."""
+
+    def __init__(self, long_text: LongTextOptions, max_new_tokens: int, guarded: bool):
+        self.long_text, self.frames, self.guarded = long_text, max_new_tokens - 1, guarded
+        self.tokens = 0  # text tokens of the segments taken
+        self.spent = 0  # frames they may make in all
+        self.taken = 0  # segments taken
+
+    def left(self, tokens: int) -> int:
+        """Frames the next segment may make, were it of `tokens` text tokens."""
+        return max(self.frames, self.long_text.text_budget(self.tokens + tokens)) - self.spent
+
+    def least(self, tokens: int) -> int:
+        """The next guarded segment's budget before the None of max_new_tokens: never more than
+        once it has more tokens, so a lower bound while its text is still arriving."""
+        return max(1, min(self.long_text.frame_budget(tokens), self.left(tokens)))
+
+    def take(self, tokens: int) -> int | None:
+        """The next segment, of `tokens` text tokens: its budget (None: max_new_tokens - 1 bounds it)."""
+        if self.guarded:
+            budget = self.least(tokens)
+            budget = None if budget >= self.frames else budget
+        elif self.frames > (left := self.left(tokens)):
+            most = (self.long_text.text_budget(self.tokens + tokens) // (self.taken + 1)) + 1
             raise RequestError(
                 "max_new_tokens",
-                f"without the runaway guard (ignore_eos, or the guard off) each of this text's {len(tokens)} "
-                f"segments makes up to max_new_tokens - 1 = {frames} frames, {len(tokens) * frames} in all; "
-                f"a text of {sum(tokens)} tokens may make at most {most}: ask for max_new_tokens <= "
-                f"{most // len(tokens) + 1}, or keep the guard",
+                f"without the runaway guard (ignore_eos, or the guard off) each segment makes up to max_new_tokens - 1 "
+                f"= {self.frames} frames, but the text up to segment {self.taken + 1} allows at most {max(left, 0)} "
+                f"more: ask for max_new_tokens <= {most}, or keep the guard",
             )
-        return [None] * len(tokens)
-    own = [min(long_text.frame_budget(n), frames) for n in tokens]
-    if sum(own) > most:  # many short paragraphs: their budgets shrink in proportion
-        own = [max(1, b * most // sum(own)) for b in own]
-    return [None if b >= frames else b for b in own]
+        else:
+            budget = None
+        self.tokens, self.taken = self.tokens + tokens, self.taken + 1
+        self.spent += self.frames if budget is None else budget
+        return budget
 
 
 @dataclass(frozen=True)
@@ -195,126 +180,3 @@ class Segment:
     def shifted(self, samples: int) -> Segment:
         """Its samples `samples` later (an ICL voice's lead before the generated audio)."""
         return replace(self, start_sample=self.start_sample + samples, end_sample=self.end_sample + samples)
-
-
-def split_text(text: str, budget: int, count: Callable[[str], int]) -> list[str]:
-    """`text` cut into pieces whose `count(piece.strip())` is at most `budget` (tokens), at the
-    coarsest boundaries that allow it (module docstring); `"".join(pieces) == text`. A text
-    within the budget is one piece."""
-    if count(text.strip()) <= budget:
-        return [text]
-    pieces: list[str] = []
-    for paragraph in _cut(text, _PARAGRAPH_END):
-        pieces += _pack(_sentences(paragraph), budget, count, _FINER)
-    return _whitespace_joined(pieces)
-
-
-def _sentences(text: str) -> list[str]:
-    """Sentence pieces of `text`, with the full stops that do not end a sentence joined back."""
-    pieces = _cut(text, _SENTENCE_END)
-    joined: list[str] = []
-    for piece in pieces:
-        if joined and not _ends_sentence(joined[-1], piece):
-            joined[-1] += piece
-        else:
-            joined.append(piece)
-    return joined
-
-
-def _ends_sentence(before: str, after: str) -> bool:
-    """Whether the boundary between `before` and `after` (found by _SENTENCE_END) ends a sentence."""
-    if "\n" in before[len(before.rstrip()) :]:
-        return True  # a line break
-    head = before.rstrip().rstrip(_CLOSERS)
-    if head[-1:] in _CJK_TERMINATORS:  # 「行こう！」と言った: a quotation the sentence goes on after
-        quoted = len(head) < len(before) and before == before.rstrip()
-        return not (quoted and after[:1].isalpha())
-    first = after.lstrip().lstrip(_CLOSERS + "¿¡\"'«“‘(")[:1]
-    if first and (first.islower() or first.isdigit()):
-        return False  # "Wait... what?", "etc. and", "z. B. das"
-    if head.endswith(".") and not head.endswith(".."):
-        word = head[:-1].rsplit(None, 1)[-1] if head[:-1].split() else ""
-        word = word.lstrip(_CLOSERS + "¿¡\"'«“‘(")
-        if len(word) == 1 and word.isalpha():
-            return False  # an initial: "J. K. Rowling", "M. Dupont"
-        if word.lower() in ABBREVIATIONS or _dotted_abbreviation(before, word):
-            return False
-    return True
-
-
-def _dotted_abbreviation(before: str, word: str) -> bool:
-    """ "z. B." / "d. h." / "т. е.": the last two one-letter words, each with its stop, form a known one."""
-    words = before.rstrip().split()
-    if len(words) < 2 or len(word) != 1:
-        return False
-    return f"{words[-2].rstrip('.')}.{word}".lower() in ABBREVIATIONS
-
-
-def _cut(text: str, boundary: re.Pattern[str]) -> list[str]:
-    """`text` cut after every match of `boundary` (a match keeps its whitespace); whitespace alone
-    never makes a piece (leading whitespace goes with the first one)."""
-    pieces, start = [], 0
-    for match in boundary.finditer(text):
-        if text[start : match.end()].strip():
-            pieces.append(text[start : match.end()])
-            start = match.end()
-    if start < len(text):
-        pieces.append(text[start:])
-    return pieces
-
-
-def _words(text: str) -> list[str]:
-    return _cut(text, _WORD_END)
-
-
-def _characters(text: str) -> list[str]:
-    """Single characters, each whitespace character joined to the one before it."""
-    return _cut(text, re.compile(r"\S\s*"))
-
-
-def _clauses(text: str) -> list[str]:
-    return _cut(text, _CLAUSE_END)
-
-
-_FINER: tuple[Callable[[str], list[str]], ...] = (_clauses, _words, _characters)
-
-
-def _pack(pieces: list[str], budget: int, count: Callable[[str], int], finer) -> list[str]:
-    """Consecutive pieces joined while they fit `budget`; a piece that alone does not fit is cut with
-    the next finer splitter (`finer`), and its parts packed the same way."""
-    out: list[str] = []
-    current = ""
-    for piece in pieces:
-        if current and count((current + piece).strip()) <= budget:
-            current += piece
-            continue
-        if current:
-            out.append(current)
-            current = ""
-        if count(piece.strip()) <= budget or not finer:
-            current = piece
-            continue
-        parts = _pack(finer[0](piece), budget, count, finer[1:])
-        out += parts[:-1]
-        current = parts[-1]
-    if current:
-        out.append(current)
-    return out
-
-
-def _whitespace_joined(pieces: list[str]) -> list[str]:
-    """Pieces with any piece of only whitespace joined to the next one (or the last)."""
-    out: list[str] = []
-    carry = ""
-    for piece in pieces:
-        if not piece.strip():
-            carry += piece
-            continue
-        out.append(carry + piece)
-        carry = ""
-    if carry:
-        if out:
-            out[-1] += carry
-        else:
-            out.append(carry)
-    return out

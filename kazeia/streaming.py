@@ -5,7 +5,9 @@ the `SpeechStream` takes frames from it, decodes each chunk with the stateful vo
 `AudioChunk`s. Vocoder work therefore overlaps generation, the first chunk is decoded as soon as
 its frames exist, and no frame is ever decoded twice. Closing the stream (or leaving a `for` loop
 over it, or a `with` block) stops generation before the next frame and joins the worker; an
-exception in the worker is raised to the caller.
+exception in the worker is raised to the caller. `open_stream` makes a stream for a request: its
+frames from a `FrameSource` (utterance.Unscheduled, or a scheduler's), its vocoder state (an ICL
+voice's primed one), its count in `runtime.running`.
 
 A long text's segments (kazeia/segment.py) all go through the one stream and its one vocoder state,
 so their joins are as seamless as any chunk boundary. The frame generator follows each segment's
@@ -18,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -27,8 +30,10 @@ import numpy as np
 import torch
 
 from .lanes import LaneStopped, VocoderLanes
-from .options import StreamOptions
+from .options import ChunkSchedule
+from .request import Request
 from .runaway import CANCELLED, overall
+from .runtime import Runtime
 from .segment import Segment
 from .speed import TimeStretch
 from .vocoder import Vocoder, VocoderState, no_pause
@@ -69,50 +74,16 @@ class Metrics:
     generation_s: float | None = None
 
 
-@dataclass(frozen=True)
-class ChunkSchedule:
-    """Frames per chunk: `first` for the first chunk (latency), then `rest` (overhead), reached
-    one frame a chunk: with first 1 and rest 4 the chunks hold 1, 2, 3, 4, 4, ... frames. The
-    ramp is for a player that starts with a short buffer: a second chunk of `rest` frames would
-    have to be generated and decoded while the first chunk's 80 ms (plus the buffer) play, and a
-    stream generated a little faster than real time runs dry there; one frame more a chunk keeps
-    each chunk's work within the audio already delivered (BENCHMARKS.md, "long dry s").
+def _weakly(method: Callable[[], bool]) -> Callable[[], bool]:
+    """`method` (a stream's bound method) called through a weak reference: False once the stream is
+    collected."""
+    ref = weakref.WeakMethod(method)
 
-    `most` lets a later chunk catch up: when its consumer has fallen behind and more frames than
-    its size are already waiting, the chunk takes them too, up to `most` (None, the default:
-    exactly its size). The vocoder decodes a longer chunk faster per frame (BENCHMARKS.md), so a
-    consumer that the vocoder holds back (many streams on few cores) catches up, while one that
-    keeps up still gets the sizes above. The codes never change,
-    and the audio stays that of one decode within float rounding (~1e-6), as for any schedule; but
-    where the chunks split now depends on timing, so the audio's last bits may differ from run to
-    run (with a fixed schedule they never do)."""
+    def call() -> bool:
+        bound = ref()
+        return bound is not None and bound()
 
-    first: int = 1
-    rest: int = 4
-    most: int | None = None
-
-    def __post_init__(self) -> None:
-        for name, value in (("first_chunk_frames", self.first), ("chunk_frames", self.rest)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        most = self.most
-        if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < self.rest):
-            raise ValueError(f"max_chunk_frames must be an integer >= chunk_frames ({self.rest}) or None, got {most!r}")
-
-    @classmethod
-    def of(cls, options: StreamOptions) -> ChunkSchedule:
-        """The schedule `options` ask for."""
-        return cls(options.first_chunk_frames, options.chunk_frames, options.max_chunk_frames)
-
-    def size(self, index: int) -> int:
-        """Frames in chunk `index` (0 the first)."""
-        return self.first if index == 0 else min(self.rest, self.first + index)
-
-    def limit(self, index: int) -> int:
-        """The most frames chunk `index` may take when they are already waiting."""
-        if index == 0 or self.most is None:
-            return self.size(index)
-        return self.most
+    return call
 
 
 class _Progress:
@@ -218,7 +189,7 @@ class SpeechStream:
         self._ttfb: float | None = None
         self._done = False
         self._lanes = source.lanes
-        source.pace(self.needs_frames)
+        source.pace(_weakly(self.needs_frames))  # a source (a scheduler's ticket) must not keep the stream alive
         args = (source.frames, self._queue, self._stop, self._progress)
         self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
@@ -352,7 +323,8 @@ class SpeechStream:
         wall = time.perf_counter() - self._started
         audio_s = self._samples / self._vocoder.cfg.sample_rate
         prefill = (self._progress.first_frame_at or self._started) - self._started
-        self.codes = torch.cat(self._codes).cpu().numpy() if self._codes else np.zeros((0, 16), np.int64)
+        none = np.zeros((0, self._vocoder.cfg.num_quantizers), np.int64)
+        self.codes = torch.cat(self._codes).cpu().numpy() if self._codes else none
         rtf = wall / audio_s if audio_s else float("inf")
         live = {}
         if self._live is not None:
@@ -391,3 +363,33 @@ class SpeechStream:
         if stop is not None:
             stop.set()
         self._closed()
+
+
+def open_stream(
+    runtime: Runtime,
+    request: Request,
+    source: FrameSource,
+    schedule: ChunkSchedule | None = None,
+    started: float | None = None,
+) -> SpeechStream:
+    """A `SpeechStream` speaking `request`, its frames from `source`; counted in `runtime.running`
+    until it closes (its vocoder works until then)."""
+    ref = request.cond.reference_codes
+    runtime.running.enter()
+    try:
+        state = None if ref is None else runtime.priming.state(ref)
+        return SpeechStream(
+            source,
+            runtime.vocoder,
+            schedule or ChunkSchedule(),
+            request.seed,
+            time.perf_counter() if started is None else started,
+            state,
+            request.live,
+            request.speed,
+            on_close=runtime.running.leave,
+        )
+    except BaseException:  # no thread could be started, no memory to prime the vocoder: what was taken is given back
+        runtime.running.leave()
+        source.release()
+        raise

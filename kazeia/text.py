@@ -126,6 +126,15 @@ class TextTokenizer:
         being typed; with no added tokens, no token spans two pre-tokens)."""
         return self._plain.encode(text, add_special_tokens=False)
 
+    def at_least(self, text: str) -> int:
+        """The fewest text tokens that `text` followed by anything encodes to: its tokens but those of
+        its last pre-token (a word still being typed may yet merge into fewer), plus one for it."""
+        encoding = self.encoding(text)
+        if not encoding.ids:
+            return 0
+        last = encoding.word_ids[-1]
+        return sum(1 for w in encoding.word_ids if w != last) + 1
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`, special tokens included (for logs and debugging)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)

@@ -1,30 +1,28 @@
-"""An utterance: a request's frames, segment after segment, and the stream that speaks them.
+"""An utterance: a request's frames, segment after segment.
 
 `timeline` yields a request's frames and, after each segment's last frame, its `Segment`: each
 segment's prompt (kazeia/prompt.py), seed and runaway guard, live text's prompt and trailing text
-track, an in-context reference carried from one segment to the next. `open_stream` wires a request
-to a `SpeechStream`: its frames from a `FrameSource` (`Alone` here, generated in the stream's own
-thread; a scheduler's, batched with other streams: kazeia/scheduler.py), its vocoder state (an ICL
-voice's primed one), its count in `runtime.running`. Everything takes a Runtime. Non-goals: the
-frame step (kazeia/frame.py), chunking and decoding (kazeia/streaming.py).
+track, an in-context reference carried from one segment to the next. `Unscheduled` is the
+`FrameSource` of a stream outside any scheduler: its frames generated in the stream's own thread,
+each step at once (a scheduler's are batched with other streams: kazeia/scheduler.py). Everything
+takes a Runtime. Non-goals: the frame step (kazeia/frame.py), chunking and decoding
+(kazeia/streaming.py).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 
 import torch
 
 from . import generate
-from .live import live_trailing
+from .live import LivePart, LiveParts
 from .prompt import Conditioning, Prompt, build_prompt, needs_whole_text
 from .request import Request, bounded
 from .runaway import CANCELLED, RunawayGuard
 from .runtime import Runtime
-from .segment import Part, Segment
-from .streaming import ChunkSchedule, FrameSource, SpeechStream
+from .segment import TEMPLATE_IDS, Part, Segment
 from .text import CLOSING_IDS, ROLE_IDS
 from .voices import Voice
 
@@ -44,20 +42,20 @@ def timeline(
     runtime.running.enter()
     try:
         if steps is None:
-            yield from _alone(runtime, request, should_stop)
+            yield from _unscheduled(runtime, request, should_stop)
         else:
             yield from _segments(runtime, request, should_stop, steps, steps)
     finally:
         runtime.running.leave()
 
 
-def _alone(
+def _unscheduled(
     runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None
 ) -> Iterator[torch.Tensor | Segment]:
     """`_segments` with each step at once, the first prompt on the placement's team while the
     runtime counts this request alone."""
-    first = generate.Solo(runtime.step, runtime.placement.first_prompt_team(runtime.running))
-    return _segments(runtime, request, should_stop, first, generate.Solo(runtime.step))
+    first = generate.CallerSteps(runtime.step, runtime.placement.first_prompt_team(runtime.running))
+    return _segments(runtime, request, should_stop, first, generate.CallerSteps(runtime.step))
 
 
 def _segments(
@@ -67,63 +65,74 @@ def _segments(
     first: generate.Steps,
     steps: generate.Steps,
 ) -> Iterator[torch.Tensor | Segment]:
-    """`timeline`, the first segment's steps `first`, the others' `steps`."""
+    """`timeline`, the first segment's steps `first`, the others' `steps`. A whole text's parts are
+    planned (request.parts); a live text's come as it arrives (live.LiveParts): the same parts."""
     rate, per_frame = runtime.vocoder.cfg.sample_rate, runtime.vocoder.cfg.samples_per_frame
     start, previous = 0, None
-    for index, part in enumerate(request.parts or (None,)):
+    parts = request.parts if request.live is None else _live_parts(request, should_stop)
+    for index, part in enumerate(parts):
         made: list[torch.Tensor] = []
-        guard = None
+        budget = part.budget_at if isinstance(part, LivePart) else part.budget if part else None
+        guard = RunawayGuard(budget, request.long_text.loop_frames) if part and request.guarded else None
+        cond = _continued(request, previous)
         runs = first if index == 0 else steps
-        if part is None:  # live text: one segment, as long as max_new_tokens allows
-            reason = yield from _kept(_live_frames(runtime, request, should_stop, runs), made)
-            text = request.live.text if request.live is not None else ""
-        else:
-            cond = _continued(request, previous)
-            with runs.exclusive():
-                prompt = build_prompt(runtime.model, part.text_ids, cond, request.non_streaming_mode)
+        prompt = None if part is None else _prompt(runtime, request, part, cond, runs)
+        reason = CANCELLED  # stopped while waiting for live text
+        if part is not None and prompt is not None:
             generator = torch.Generator(device=runtime.device).manual_seed(part.seed)
-            guard = RunawayGuard(part.budget, request.long_text.loop_frames) if request.guarded else None
-            frames = generate.frames(prompt, request.options, generator, runs, should_stop, guard)
-            reason, text = (yield from _kept(frames, made)), part.text
+            frames = generate.frames(prompt, request.sampling, generator, runs, should_stop, guard)
+            reason = yield from _kept(frames, made)
+        if isinstance(part, LivePart) and reason != CANCELLED:
+            part.wait_final()  # its text, and where the next part starts
         end = start + len(made) * per_frame
-        yield Segment(index, text, start, end, reason, rate)
+        yield Segment(index, part.text if part is not None else "", start, end, reason, rate)
         if reason == CANCELLED:
             return
         looped = guard is not None and guard.looped
         start, previous = end, (None if looped else part, made)
 
 
-def _live_frames(
-    runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
-) -> Generator[torch.Tensor, None, str]:
-    prompt = _live_prompt(runtime, request, should_stop, steps)
-    if prompt is None:  # stopped while waiting for live text
-        return CANCELLED
-    generator = torch.Generator(device=runtime.device).manual_seed(request.seed)
-    return (yield from generate.frames(prompt, request.options, generator, steps, should_stop))
-
-
-def _live_prompt(
-    runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None, steps: generate.Steps
-) -> Prompt | None:
+def _live_parts(request: Request, should_stop: Callable[[], bool] | None) -> Iterator[LivePart | None]:
+    """A live text's parts as they begin; None once when stopped while waiting for one."""
     live = request.live
     assert live is not None
     live.should_stop = should_stop
-    whole = needs_whole_text(request.cond, request.non_streaming_mode)
-    if not live.start() or not (live.wait_for_end() if whole else live.need(1)):
-        return None
-    if whole:  # all of the text goes into the prompt: it must fit the model's positions too
-        bounded(runtime.caps, request, len(live.ids))
-    ids = runtime.tokenizer.wrap_assistant(live.ids if whole else live.ids[:1])
+    options = request.sampling
+    parts = LiveParts(live, request.long_text, request.seed, options.max_new_tokens, request.guarded)
+    index = 0
+    while (part := parts.part(index)) is not None:
+        yield part
+        index += 1
+    if should_stop is not None and should_stop():
+        yield None
+
+
+def _prompt(
+    runtime: Runtime, request: Request, part: Part | LivePart, cond: Conditioning, steps: generate.Steps
+) -> Prompt | None:
+    """A part's prompt: all of its text for the layouts that need it whole (a live part's waited
+    for, its positions checked then), else its first token, a live part's trailing text track read
+    as it arrives; None if stopped while waiting."""
+    layout = request.non_streaming_mode
+    live = isinstance(part, LivePart) and not needs_whole_text(cond, layout)
+    if isinstance(part, Part):
+        ids = part.text_ids
+    elif not live:
+        if not part.wait_final():
+            return None
+        ids = part.text_ids
+        bounded(runtime.caps, replace(request, cond=cond), len(ids) - TEMPLATE_IDS)
+    else:
+        ids = tuple(runtime.tokenizer.wrap_assistant(part.parts.ids(part.index)[:1]))
     with steps.exclusive():
-        prompt = build_prompt(runtime.model, ids, request.cond, request.non_streaming_mode)
-    if not whole:  # the trailing text track, one token per frame as it arrives
+        prompt = build_prompt(runtime.model, ids, cond, layout)
+    if live:  # the trailing text track, one token per frame as it arrives
 
         def embed(token: int) -> torch.Tensor:
             with steps.exclusive():
                 return runtime.model.talker.embed_text(torch.tensor([[token]], device=runtime.device))
 
-        prompt.text_source = live_trailing(live, embed, prompt.eos, prompt.pad)
+        prompt.text_source = part.trailing(embed, prompt.eos, prompt.pad)  # type: ignore[union-attr]
     return prompt
 
 
@@ -148,11 +157,11 @@ def _continued(request: Request, previous: tuple[Part | None, list[torch.Tensor]
     part, made = previous
     if part is None or not made:
         return request.cond
-    context = Voice(voice.x_vector, torch.stack(made), part.text, voice.model)
+    context = Voice(voice.x_vector, torch.stack(made), part.text, voice.model)  # its frames: (n, 16) codes
     return replace(request.cond, voice=context, ref_text_ids=part.text_ids[ROLE_IDS:-CLOSING_IDS])
 
 
-class Alone:
+class Unscheduled:
     """The frames of a stream generated in its own thread, each step at once (a `FrameSource`)."""
 
     lanes = None
@@ -161,42 +170,12 @@ class Alone:
         self.runtime, self.request, self.should_stop = runtime, request, should_stop
 
     def frames(self, stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
-        """`timeline`'s, counted in `runtime.running` once, by the stream (`open_stream`)."""
+        """`timeline`'s, counted in `runtime.running` once, by the stream (`streaming.open_stream`)."""
         either = stop if self.should_stop is None else (lambda: stop() or self.should_stop())  # type: ignore[misc]
-        return _alone(self.runtime, self.request, either)
+        return _unscheduled(self.runtime, self.request, either)
 
     def pace(self, needs_frames: Callable[[], bool]) -> None:
         """Unpaced: the stream's queue bounds how far generation runs ahead."""
 
     def release(self) -> None:
         """Nothing was taken before the stream started."""
-
-
-def open_stream(
-    runtime: Runtime,
-    request: Request,
-    source: FrameSource,
-    schedule: ChunkSchedule | None = None,
-    started: float | None = None,
-) -> SpeechStream:
-    """A `SpeechStream` speaking `request`, its frames from `source`; counted in `runtime.running`
-    until it closes (its vocoder works until then)."""
-    ref = request.cond.reference_codes
-    state = None if ref is None else runtime.priming.state(ref)
-    runtime.running.enter()
-    try:
-        return SpeechStream(
-            source,
-            runtime.vocoder,
-            schedule or ChunkSchedule(),
-            request.seed,
-            time.perf_counter() if started is None else started,
-            state,
-            request.live,
-            request.speed,
-            on_close=runtime.running.leave,
-        )
-    except BaseException:  # e.g. no thread could be started: what was taken for it is given back
-        runtime.running.leave()
-        source.release()
-        raise

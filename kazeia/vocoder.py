@@ -6,9 +6,15 @@ chunk decoded on a `VocoderState` continues exactly where the previous chunk sto
 a code sequence into chunks gives the audio of one full decode, 1920 samples per frame, without
 recomputing earlier frames. Non-goals: the encoder (audio -> codes) and the speaker encoder.
 
-Shapes: B = batch, n = frames in a chunk, L = samples at a layer's rate, C = channels. Up to the
-upsampling, activations are channel-major (B, C, L); the SnakeBeta decoder runs time-major (B, L, C),
-the layout its convolutions are fastest in (kazeia/conv.py).
+On the CPU with kazeia/native (`prepare`), every value of every layer is computed by the same
+arithmetic in the same order whatever chunk it falls in and whatever came before the chunk
+boundary: products of fixed per-value order (conv.c's `vconv`), attention over each frame's own
+window, norms and activations value by value (vocoder.c). Any chunking then gives the bits of
+the offline decode, at any thread count. Elsewhere (eager PyTorch) chunkings agree to float
+rounding.
+
+Shapes: B = batch, n = frames in a chunk, L = positions at a layer's rate, C = channels.
+Activations are time-major (B, L, C) throughout (kazeia/conv.py).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from torch import nn
 from . import native
 from .checkpoint import assign, load_tensors
 from .config import VocoderConfig
-from .conv import CausalConv, SnakeBeta, TimeMajorConv, TimeMajorTransConv, TransConv, packs_best
-from .layers import Attention, LayerScale, RMSNorm, Rotary, SwiGLU, causal_mask, codebook_vectors, fuse_projections
-from .matmul import can_pack, pack_linears
+from .conv import CausalConv, Depthwise, SnakeBeta, Tiled, TiledLinear, TimeMajorConv, TimeMajorTransConv
+from .layers import codebook_vectors, fuse_projections
+from .matmul import can_pack, pack_linears, replace_linears
+from .window import Transformer, WindowBlock, WindowCache
 
 SEMANTIC_QUANTIZERS = 1  # codebook 0 has its own output projection (rvq_first); the others share one
 CONVNEXT_NORM_EPS = 1e-6
@@ -39,37 +46,14 @@ OFFLINE_BLOCK = 32
 
 
 def no_pause() -> None:
-    """The default `pause` of Vocoder.decode_chunk and FrameStep.decode: go on at once."""
-
-
-class WindowCache:
-    """Keys and values of the last `keep` frames of one sliding-window attention layer.
-
-    Fixed shape (B, nkv, keep, hd), zeros for frames before frame 0 (masked out). Serves as the
-    cache of `layers.Attention`: `write` appends n frames and keeps the last `keep`; `view` returns
-    the keep + n frames the new queries may see, oldest first.
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v  # (B, nkv, keep, hd)
-        self._k, self._v = k, v  # (B, nkv, keep + n, hd) during a call
-
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        keep = self.k.shape[2]
-        self._k = torch.cat((self.k, k), dim=2)
-        self._v = torch.cat((self.v, v), dim=2)
-        drop = self._k.shape[2] - keep
-        self.k, self.v = self._k[:, :, drop:].clone(), self._v[:, :, drop:].clone()
-
-    def view(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._k, self._v
+    """The default `pause` of `Vocoder.decode_chunk`: go on at once."""
 
 
 @dataclass
 class VocoderState:
     """Everything a streaming decode carries between chunks; `Vocoder.decode_chunk` updates it in place."""
 
-    tails: list[torch.Tensor]  # per stateful conv, module order: its last inputs (B, C_in, keep), zeros at start
+    tails: list[torch.Tensor]  # per stateful conv, module order: its last inputs (B, keep, C_in), zeros at start
     caches: list[WindowCache]  # per transformer layer: RoPE'd keys and values of the last window-1 frames
     position: int = 0  # frames decoded so far = RoPE position of the next frame
 
@@ -79,22 +63,32 @@ class VocoderState:
 
 
 class Codebooks(nn.Module):
-    """`n` codebooks whose vectors are summed, then projected: codes (B, T, n) -> (B, C_out, T)."""
+    """`n` codebooks whose vectors are summed (in codebook order), then projected: codes (B, T, n)
+    -> (B, T, C_out)."""
 
     def __init__(self, n: int, size: int, dim: int, out: int):
         super().__init__()
         self.codebooks = nn.Parameter(torch.zeros(n, size, dim))
         self.output_proj = nn.Conv1d(dim, out, 1, bias=False)
+        self.native: Tiled | None = None
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         n, size, dim = self.codebooks.shape
         offsets = torch.arange(n, device=codes.device) * size
         vectors = F.embedding(codes + offsets, self.codebooks.view(n * size, dim))  # (B, T, n, dim)
-        return self.output_proj(vectors.sum(2).transpose(1, 2))
+        summed = vectors[:, :, 0]
+        for i in range(1, n):
+            summed = summed + vectors[:, :, i]
+        if self.native is not None:
+            return self.native(summed)
+        return F.linear(summed, self.output_proj.weight[..., 0])
+
+    def use_native(self, lib, half: bool = False) -> None:
+        self.native = Tiled(lib, self.output_proj.weight.permute(0, 2, 1), None, half=half)
 
 
 class Quantizer(nn.Module):
-    """RVQ dequantization: semantic codebook plus the acoustic ones, (B, T, 16) -> (B, codebook_dim, T)."""
+    """RVQ dequantization: semantic codebook plus the acoustic ones, (B, T, 16) -> (B, T, codebook_dim)."""
 
     def __init__(self, cfg: VocoderConfig):
         super().__init__()
@@ -107,66 +101,31 @@ class Quantizer(nn.Module):
         return first + self.rvq_rest(codes[..., SEMANTIC_QUANTIZERS:])
 
 
-class WindowBlock(nn.Module):
-    """Pre-norm transformer layer over a sliding window of frames, with per-channel layer scales on both
-    residual branches."""
-
-    def __init__(self, cfg: VocoderConfig):
-        super().__init__()
-        dim = cfg.hidden_size
-        self.self_attn = Attention(dim, cfg.num_heads, cfg.num_heads, cfg.head_dim, qk_norm_eps=None)
-        self.mlp = SwiGLU(dim, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(dim, cfg.rms_norm_eps)
-        self.self_attn_layer_scale = LayerScale(dim)
-        self.mlp_layer_scale = LayerScale(dim)
-
-    def forward(self, h, rope, cache: WindowCache, start: int, mask: torch.Tensor) -> torch.Tensor:
-        """h (B, n, dim); mask (n, keep + n) bool."""
-        h = h + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(h), rope, cache, start, mask))
-        return h + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(h)))
-
-
-class Transformer(nn.Module):
-    """latent -> hidden, sliding-window layers with RoPE at absolute frame positions, norm, -> latent."""
-
-    def __init__(self, cfg: VocoderConfig):
-        super().__init__()
-        self.window = cfg.sliding_window
-        self.input_proj = nn.Linear(cfg.latent_dim, cfg.hidden_size)
-        self.layers = nn.ModuleList(WindowBlock(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output_proj = nn.Linear(cfg.hidden_size, cfg.latent_dim)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
-
-    def forward(self, x: torch.Tensor, caches: list[WindowCache], start: int) -> torch.Tensor:
-        """x (B, n, latent) at frames [start, start + n) -> (B, n, latent)."""
-        n, keep = x.shape[1], caches[0].k.shape[2]
-        rope = self.rotary.span(start, n, x.dtype, x.device)
-        mask = causal_mask(n, keep + n, keep, x.device, self.window)  # keys local: frame start-keep+j
-        mask &= torch.arange(keep + n, device=x.device)[None, :] >= keep - start  # no frames before 0
-        h = self.input_proj(x)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, rope, cache, start, mask)
-        return self.output_proj(self.norm(h))
-
-
 class ConvNeXt(nn.Module):
     """Causal depthwise conv k7, LayerNorm, 4x GELU MLP, per-channel gamma, residual."""
 
     def __init__(self, dim: int):
         super().__init__()
-        self.dwconv = CausalConv(dim, dim, 7, groups=dim)
+        self.dwconv = Depthwise(dim, 7)
         self.norm = nn.LayerNorm(dim, eps=CONVNEXT_NORM_EPS)
         self.pwconv1 = nn.Linear(dim, 4 * dim)
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.ones(dim))
+        self.lib = None  # kazeia/native's library (Vocoder.prepare): vocoder.c's norm and GELU
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
-        """x (B, C, L) -> (B, C, L)."""
-        h = self.dwconv(x, state.tails).transpose(1, 2)  # (B, L, C)
-        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
-        return x + (self.gamma * h).transpose(1, 2)
+        """x (B, L, C) -> (B, L, C)."""
+        h = self.dwconv(x, state.tails)
+        if self.lib is None:
+            h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        else:
+            rows = h.shape[0] * h.shape[1]
+            self.lib.layer_norm_rows(h.data_ptr(), self.norm.weight.data_ptr(), self.norm.bias.data_ptr(),
+                                     h.data_ptr(), rows, h.shape[2], self.norm.eps)  # fmt: skip
+            h = self.pwconv1(h)  # (B, L, 4C), contiguous
+            self.lib.gelu_rows(h.data_ptr(), rows, h.shape[2])
+            h = self.pwconv2(h)
+        return x + self.gamma * h
 
 
 class ResidualUnit(nn.Module):
@@ -181,7 +140,7 @@ class ResidualUnit(nn.Module):
 
     def forward(self, x: torch.Tensor, state: VocoderState) -> torch.Tensor:
         h = self.conv1(x, state.tails, act=self.act1)
-        return self.conv2(h, state.tails, act=self.act2).add_(x)  # = x + conv2(...), without a new tensor
+        return self.conv2(h, state.tails, act=self.act2, res=x)  # conv2(...) + x
 
 
 class DecoderBlock(nn.Module):
@@ -210,10 +169,10 @@ class Vocoder(nn.Module):
         self.cfg = cfg
         latent, dims = cfg.latent_dim, [cfg.decoder_dim // 2**i for i in range(len(cfg.upsample_rates) + 1)]
         self.quantizer = Quantizer(cfg)
-        self.pre_conv = CausalConv(cfg.codebook_dim, latent, 3)
+        self.pre_conv = TimeMajorConv(cfg.codebook_dim, latent, 3)
         self.pre_transformer = Transformer(cfg)
         self.upsample = nn.ModuleList(
-            nn.ModuleList([TransConv(latent, latent, r, r), ConvNeXt(latent)]) for r in cfg.upsampling_ratios
+            nn.ModuleList([TimeMajorTransConv(latent, latent, r, r), ConvNeXt(latent)]) for r in cfg.upsampling_ratios
         )
         blocks = [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(cfg.upsample_rates)]
         self.decoder = nn.ModuleList(
@@ -222,8 +181,8 @@ class Vocoder(nn.Module):
         for slot, module in enumerate(self._stateful()):
             module.slot = slot
 
-    def _stateful(self) -> list[CausalConv | TransConv]:
-        return [m for m in self.modules() if isinstance(m, (CausalConv, TransConv)) and m.keep > 0]
+    def _stateful(self) -> list[CausalConv | TimeMajorTransConv]:
+        return [m for m in self.modules() if isinstance(m, (CausalConv, TimeMajorTransConv)) and m.keep > 0]
 
     @classmethod
     def load(
@@ -238,9 +197,9 @@ class Vocoder(nn.Module):
         with torch.device("meta"):
             vocoder = cls(cfg)
         path = root / "model.safetensors"
-        # Read, not memory-mapped: the decoder convs' weights are stored anew (`TimeMajorConv.
-        # store_for_reading`), and a map would keep the file's copy of them resident as well (0.2
-        # GB). The encoder's tensors (same file) are skipped, not read.
+        # Read, not memory-mapped: the weights are stored anew (packed for the native products, or
+        # in the eager convs' layout: `prepare`), and a map would keep the file's copy of them
+        # resident as well (0.2 GB). The encoder's tensors (same file) are skipped, not read.
         released = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith("encoder."))
         tensors = vocoder_tensors(released, num_quantizers=cfg.num_quantizers)
         del released
@@ -250,28 +209,41 @@ class Vocoder(nn.Module):
         return vocoder.eval()
 
     def prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Loaded weights into the layouts the decoder reads fastest, and the implementations
-        chosen once, here (results change by float rounding only): convolution weights stored
-        (C_out, k, C_in); on the CPU, SnakeBeta in kazeia/native where the library is there
-        (float32), and where oneDNN packs matmul weights, the transformer's and ConvNeXt's linears
-        packed as the talker's, and so are the decoder's convolutions that run fastest as products
-        on a packed weight (`conv.packs_best`: the large ones and the 1x1 ones)."""
+        """The implementation, chosen once, here. On the CPU with kazeia/native: every layer native
+        (`_use_native`), the same bits for any chunking. Otherwise eager PyTorch: convolution weights
+        stored (C_out, k, C_in), the order its convs read, and on the CPU where oneDNN packs matmul
+        weights, the transformer's and ConvNeXt's linears packed as the talker's."""
+        lib = native.library() if torch.device(device).type == "cpu" else None
+        if lib is not None:
+            self._use_native(lib, dtype)
+            return
         for module in self.modules():
             if isinstance(module, TimeMajorConv):
                 module.store_for_reading()
-        if torch.device(device).type != "cpu":
-            return
-        lib = native.library() if dtype == torch.float32 else None
-        for module in self.modules():
-            if isinstance(module, SnakeBeta):
-                module.lib = lib
-        if not can_pack(dtype):
-            return
+        if torch.device(device).type == "cpu" and can_pack(dtype):
+            fuse_projections(self.pre_transformer)
+            pack_linears(self)
+
+    @torch.no_grad()
+    def _use_native(self, lib, dtype: torch.dtype) -> None:
+        """Every product a `Tiled` one (conv.c), every other layer vocoder.c's or decode.c's, with
+        float32 activations: the parameters are widened (a bfloat16 or float16 vocoder keeps its
+        weights' values, rounded to that dtype; a bfloat16 one's products take bfloat16 pairs where
+        the CPU has them), each packed weight replaces the original (the pre-conv's stays: its
+        device and dtype stand for the vocoder's)."""
+        half = dtype == torch.bfloat16
+        self.float()
         fuse_projections(self.pre_transformer)
-        pack_linears(self)
-        for module in self.decoder.modules():
-            if isinstance(module, (TimeMajorConv, TimeMajorTransConv)) and packs_best(module):
-                module.pack()
+        replace_linears(self, lambda linear: TiledLinear(lib, linear, half))
+        for module in list(self.modules()):
+            if isinstance(module, TimeMajorConv):
+                module.use_native(lib, half, keep_weight=module is self.pre_conv)
+            elif isinstance(module, (TimeMajorTransConv, Codebooks)):
+                module.use_native(lib, half)
+            elif isinstance(module, Depthwise):
+                module.use_native(lib)
+            elif isinstance(module, (SnakeBeta, WindowBlock, Transformer, ConvNeXt)):
+                module.lib = lib
 
     def new_state(self, batch: int = 1) -> VocoderState:
         """A fresh stream: zero conv tails, empty (zero, masked) attention windows, position 0."""
@@ -295,15 +267,15 @@ class Vocoder(nn.Module):
         n = codes.shape[1]
         if n == 0:
             return self._silence(codes.shape[0]) if batched else self._silence(1)[0]
-        x = self.quantizer(codes)  # (B, codebook_dim, n)
-        x = self.pre_conv(x, state.tails).transpose(1, 2)  # (B, n, latent)
-        x = self.pre_transformer(x, state.caches, state.position).transpose(1, 2)  # (B, latent, n)
+        x = self.quantizer(codes)  # (B, n, codebook_dim)
+        x = self.pre_conv(x, state.tails)  # (B, n, latent)
+        x = self.pre_transformer(x, state.caches, state.position)  # (B, n, latent)
         state.position += n
         for up, convnext in self.upsample:
             pause()
-            x = convnext(up(x, state.tails), state)  # (B, latent, 4n) after both stages
+            x = convnext(up(x, state.tails), state)  # (B, 4n, latent) after both stages
         pause()
-        x = self.decoder[0](x.transpose(1, 2), state.tails)  # (B, 4n, decoder_dim): time-major from here
+        x = self.decoder[0](x, state.tails)  # (B, 4n, decoder_dim)
         for block in self.decoder[1:-2]:
             pause()
             x = block(x, state, pause)  # (B, n*1920, decoder_dim/16) after the last block

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import queue
 import re
 import socket
 import struct
@@ -18,9 +19,98 @@ import httpx
 import numpy as np
 
 from kazeia.audio import pcm16
+from kazeia.live import TextFeed
+from kazeia.server.worker import Job
 
 FRAME_BYTES = 1920 * 2  # one 80 ms frame of 16-bit PCM
 HEADER_BYTES = 44
+HOLD_LIMIT_S = 300.0  # a hold a test forgot to lift ends here (the test then fails on what follows)
+
+
+class HeldJobs:
+    """A gate around the server's worker, from outside the server: while it is installed (a `with`
+    block), each utterance hands its first `free` pieces of audio to its client, then the worker
+    waits before the next one (in `Job.put`, where it also waits for a client that reads slowly)
+    until `release()`, or until that job is cancelled (its client left, a `cancel` message, the
+    server stopping), whereupon it ends at once. An utterance therefore cannot end before the test
+    lets it, however fast the machine, and a test of admission or cancellation never races the
+    work. Meanwhile generation runs at most its stream's look-ahead past what the worker took
+    (kazeia/streaming.py): a few frames with the scheduler, 64 without.
+
+    Non-goal: holding anything but the server's own jobs (the engine's streams are untouched)."""
+
+    def __init__(self, free: int = 1):
+        self.free = free
+        self._cond = threading.Condition()
+        self._open = False
+        self._given: dict[int, int] = {}  # job id -> pieces of audio let through
+        self.held: set[int] = set()  # ids of the jobs waiting at the gate now
+
+    def __enter__(self) -> HeldJobs:
+        put, cancel = Job.put, Job.cancel
+
+        def held_put(job: Job, item) -> None:
+            if isinstance(item, bytes):
+                self._turn(job)
+            put(job, item)
+
+        def noticed_cancel(job: Job) -> None:
+            cancel(job)
+            with self._cond:
+                self._cond.notify_all()
+
+        self._originals = put, cancel
+        Job.put, Job.cancel = held_put, noticed_cancel  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+        Job.put, Job.cancel = self._originals  # type: ignore[method-assign]
+
+    def _turn(self, job: Job) -> None:
+        with self._cond:
+            given = self._given.get(job.id, 0)
+            if given >= self.free:
+                self.held.add(job.id)
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._open or job.cancelled, HOLD_LIMIT_S)
+                self.held.discard(job.id)
+            self._given[job.id] = given + 1
+
+    def wait_held(self, count: int = 1, timeout: float = 60.0) -> None:
+        """Block until `count` jobs wait at the gate (each has sent its first pieces)."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: len(self.held) >= count, timeout), f"{len(self.held)} held"
+
+    def release(self) -> None:
+        """Open the gate for good: every job goes on to its end."""
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+
+class TextStarved:
+    """Tells when a live text's reader (the engine) finds no text waiting: while installed, every
+    `TextFeed.get` that times out sets `event`. Clear it, then wait on it, to know that the engine
+    has caught up with the text sent so far and waits for more."""
+
+    def __enter__(self) -> threading.Event:
+        get = TextFeed.get
+        self.event = threading.Event()
+
+        def watched(feed: TextFeed, timeout: float):
+            try:
+                return get(feed, timeout)
+            except queue.Empty:
+                self.event.set()
+                raise
+
+        self._original = get
+        TextFeed.get = watched  # type: ignore[method-assign]
+        return self.event
+
+    def __exit__(self, *exc) -> None:
+        TextFeed.get = self._original  # type: ignore[method-assign]
 
 
 class LiveServer:
@@ -125,11 +215,13 @@ def sse_audio(events: list[dict]) -> bytes:
     return b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
 
 
-def assert_pcm_close(got: bytes, expected: bytes) -> None:
-    """Same length, samples within 1 LSB (streamed and offline audio differ by float rounding)."""
-    assert len(got) == len(expected)
-    a, b = np.frombuffer(got, "<i2").astype(int), np.frombuffer(expected, "<i2").astype(int)
-    assert np.max(np.abs(a - b), initial=0) <= 1
+def assert_pcm_equal(got: bytes, expected: bytes) -> None:
+    """The same samples, bit for bit (streamed, batched and offline audio are one byte stream);
+    on a difference, where the first one is."""
+    assert len(got) == len(expected), (len(got), len(expected))
+    a, b = np.frombuffer(got, "<i2"), np.frombuffer(expected, "<i2")
+    differ = np.flatnonzero(a != b)
+    assert not len(differ), f"{len(differ)} samples differ, the first at {differ[0]}: {a[differ[0]]} != {b[differ[0]]}"
 
 
 def offline_pcm(engine, text: str, **options) -> bytes:

@@ -92,7 +92,7 @@ def _prefilled(engine: Engine, i: int, seed: int, frames: int):
     part = request.parts[0]
     prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
     generator = torch.Generator().manual_seed(part.seed)
-    state, codes = engine.runtime.step.prefill(prompt, request.options, generator)
+    state, codes = engine.runtime.step.prefill(prompt, request.sampling, generator)
     return state, prompt, [codes], request
 
 
@@ -142,6 +142,14 @@ def _speak(stream, cancel_after: int | None = None):
             break
     audio = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
     return audio, stream.codes
+
+
+def _until(condition, timeout: float = 30.0) -> None:
+    """Wait for a state (a thread has queued...), however slow the machine; fail past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the state waited for never came"
+        time.sleep(0.001)
 
 
 def _options(engine: Engine, spec) -> dict:
@@ -314,6 +322,26 @@ def test_a_queued_stream_that_is_closed_leaves_the_queue(typed):
         first.close()
 
 
+def test_a_stream_dropped_without_closing_is_collected_and_gives_its_place_back(typed):
+    """A scheduled stream nobody closes (its consumer lost, an exception upstream) is collected
+    like any object: the scheduler keeps no reference to it, so its finalizer stops generation
+    and the place goes to the next stream."""
+    import gc
+    import weakref
+
+    engine = typed("float32")
+    with engine.scheduler(max_batch=1, max_queue=1) as scheduler:
+        dropped = scheduler.stream(TEXTS[1], voice="ryan", seed=2, max_new_tokens=400, ignore_eos=True)
+        next(iter(dropped))
+        gone = weakref.ref(dropped)
+        del dropped
+        gc.collect()
+        assert gone() is None
+        audio, codes = _speak(scheduler.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=12, ignore_eos=True))
+    solo = _speak(engine.stream(TEXTS[0], voice="serena", seed=1, max_new_tokens=12, ignore_eos=True))
+    assert np.array_equal(codes, solo[1]) and np.array_equal(audio, solo[0])
+
+
 def test_closing_the_scheduler_ends_its_streams_with_an_error(typed):
     from kazeia.scheduler import SchedulerClosed
 
@@ -354,9 +382,9 @@ def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest
             threading.Thread(target=decode, args=args)
             for args in (("late", False, 5.0), ("soon", False, 1.0), ("first", True, 9.0), ("later", False, 7.0))
         ]
-        for waiter in waiters:
+        for k, waiter in enumerate(waiters):
             waiter.start()
-            time.sleep(0.02)  # each has queued before the next
+            _until(lambda k=k: len(lanes._waiting) == k + 1)  # each has queued before the next
     for waiter in waiters:
         waiter.join(5)
     assert order == ["first", "soon", "late", "later"] and most[0] == 1
@@ -386,7 +414,7 @@ def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
     with lanes.turn(False, 0.0, lambda: False):
         quitter = threading.Thread(target=wait, args=(True, stop.is_set))  # first in line, then stopped
         quitter.start()
-        time.sleep(0.05)
+        _until(lambda: len(lanes._waiting) == 1)  # it has queued
         stop.set()
         quitter.join(5)
         assert results == [False]
@@ -415,9 +443,9 @@ def test_a_decode_hands_its_lane_to_a_first_chunk_at_a_pause_and_gets_it_back():
     while not order:
         time.sleep(0.001)
     others = [threading.Thread(target=decode, args=args) for args in (("later", False, 0.5), ("first", True, 9.0))]
-    for thread in others:
+    for k, thread in enumerate(others):
         thread.start()
-        time.sleep(0.05)  # queued before the next
+        _until(lambda k=k: len(lanes._waiting) == k + 1)  # queued before the next
     queued.set()
     for thread in [long, *others]:
         thread.join(5)
@@ -507,7 +535,7 @@ def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypa
             engine.scheduler(prompts_at_once=bad)
     placement = engine.runtime.placement
     team = placement.prompt_team
-    if team is None or team.threads < 2 * placement.stage_threads:
+    if team is None or team.threads < 2 * placement.threads:
         pytest.skip("no prompt team of two stages' threads here: prompts run one at a time")
     jobs, alone = [], []
     with torch.inference_mode():
@@ -515,9 +543,9 @@ def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypa
             request = engine.request(TEXTS[i], voice="ryan", seed=i + 3, do_sample=True, max_new_tokens=8)
             part = request.parts[0]
             prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
-            jobs.append((prompt, request.options, torch.Generator().manual_seed(part.seed)))
+            jobs.append((prompt, request.sampling, torch.Generator().manual_seed(part.seed)))
             generator = torch.Generator().manual_seed(part.seed)
-            alone.append(engine.runtime.step.prefill(prompt, request.options, generator))
+            alone.append(engine.runtime.step.prefill(prompt, request.sampling, generator))
     both, seen, prefill = threading.Barrier(2, timeout=120), [], FrameStep.prefill
 
     def prefilled(self, prompt, opts, generator, given=None):
@@ -834,7 +862,7 @@ def test_the_server_serves_16_clients_with_max_batch_4(engines):
     """16 concurrent streaming clients against --max-batch 4, a few leaving early: every complete
     response is the engine's own audio for its request, steps were batched, and the server ends idle."""
     import httpx
-    from server_support import LiveServer, assert_pcm_close, offline_pcm
+    from server_support import LiveServer, assert_pcm_equal, offline_pcm
 
     from kazeia.server import Limits, ServerConfig, create_app
 
@@ -874,7 +902,7 @@ def test_the_server_serves_16_clients_with_max_batch_4(engines):
     for k, data in enumerate(got):
         if data is not None:
             options = {key: v for key, v in bodies[k].items() if key not in ("input", "response_format")}
-            assert_pcm_close(data, offline_pcm(engine, bodies[k]["input"], **options))
+            assert_pcm_equal(data, offline_pcm(engine, bodies[k]["input"], **options))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", INT8, "int4"])

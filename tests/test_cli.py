@@ -1,5 +1,6 @@
 """The `kazeia` command, run in-process and once as a real console script."""
 
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import soundfile as sf
 
 from kazeia import Engine
+from kazeia.audio import pcm16
 from kazeia.cli import main
 
 
@@ -85,6 +87,19 @@ def test_bad_input_exits_2_with_one_line(tiny_checkpoints, tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("kazeia: error: ") and err.count("\n") == 1, err
+    # The chunk schedule is a stream's: given without --stream it is refused, not ignored; a bad
+    # one is refused before the model loads (the model path does not exist).
+    say = ["say", "Hi.", "--model", model, "--voice", "serena", "-o", str(tmp_path / "x.wav")]
+    for argv, words in (
+        (say + ["--chunk-frames", "3"], "--chunk-frames applies with --stream only"),
+        (say + ["--text-timeout", "3"], "--text-timeout applies with --stream only"),
+        (say[:3] + [str(tmp_path / "missing")] + say[4:] + ["--stream", "--chunk-frames", "0"], "chunk_frames must be"),
+        (say + ["--stream", "--chunk-frames", "4", "--max-chunk-frames", "2"], "max_chunk_frames must be"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kazeia: error: ") and words in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x.wav").exists()
 
 
 def test_random_checkpoint_and_console_script(tmp_path):
@@ -119,36 +134,33 @@ def test_random_checkpoint_and_console_script(tmp_path):
     assert run.returncode == 2 and "voice is required" in run.stderr
 
 
-def test_stream_to_wav_and_to_stdout(tiny_checkpoints, tmp_path):
+@pytest.mark.parametrize("speed", ["1.0", "1.5"])
+def test_say_gives_one_byte_stream_offline_streamed_and_in_any_chunks(tiny_checkpoints, tmp_path, speed):
+    """`kazeia say` offline, `--stream`, `--stream` with odd chunk sizes and `--stream -o -`: the
+    same 16-bit samples, byte for byte, and those of the engine's own synthesis."""
     model = str(tiny_checkpoints["0.6B-custom"])
-    base = [
-        sys.executable,
-        "-m",
-        "kazeia",
-        "say",
-        "Streaming now.",
-        "--model",
-        model,
-        "--voice",
-        "ryan",
-        "--seed",
-        "5",
-        "--max-new-tokens",
-        "12",
-        "--stream",
-    ]
-    wav = tmp_path / "s.wav"
-    run = subprocess.run(base + ["-o", str(wav)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
+    text = "Bonjour Kazeia. Je voudrais écouter les nouvelles du jour, puis la météo de demain matin."
+    base = [sys.executable, "-m", "kazeia", "say", text, "--model", model, "--voice", "serena", "--language",
+            "french", "--seed", "7", "--max-new-tokens", "40", "--speed", speed]  # fmt: skip
+    ways = {"offline": [], "stream": ["--stream"], "odd chunks": ["--stream", "--first-chunk-frames", "1",
+                                                                   "--chunk-frames", "7"]}  # fmt: skip
+    got = {}
+    for name, flags in ways.items():
+        wav = tmp_path / f"{name}.wav"
+        run = subprocess.run(base + flags + ["-o", str(wav)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        audio, rate = sf.read(wav, dtype="int16")
+        got[name] = audio.tobytes()
+        assert rate == 24000
     assert "TTFB" in run.stderr and "RTF" in run.stderr
-    audio, sr = sf.read(wav, dtype="float32")
-    pcm = subprocess.run(base + ["-o", "-"], capture_output=True, timeout=300)
+    pcm = subprocess.run(base + ["--stream", "-o", "-"], capture_output=True, timeout=300)
     assert pcm.returncode == 0, pcm.stderr
-    raw = np.frombuffer(pcm.stdout, dtype="<i2").astype(np.float32) / 32767
-    assert sr == 24000 and len(raw) == len(audio) and len(audio) % 1920 == 0
-    assert np.max(np.abs(raw - audio)) < 2 / 32767
-    offline = Engine.load(model).synthesize("Streaming now.", voice="ryan", seed=5, max_new_tokens=12).audio
-    assert np.max(np.abs(audio - offline)) < 2 / 32767
+    got["stdout"] = pcm.stdout
+    speech = Engine.load(model).synthesize(text, voice="serena", language="french", seed=7, max_new_tokens=40,
+                                           speed=float(speed))  # fmt: skip
+    got["synthesize"] = pcm16(speech.audio)
+    digests = {name: hashlib.md5(data).hexdigest() for name, data in got.items()}
+    assert len(set(digests.values())) == 1 and len(got["offline"]) > 0, digests
 
 
 def test_stream_reads_standard_input_as_it_arrives(tiny_checkpoints, tmp_path):
@@ -179,12 +191,12 @@ def test_stream_reads_standard_input_as_it_arrives(tiny_checkpoints, tmp_path):
         proc.stdin.flush()
     proc.stdin.close()
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
-    audio, _ = sf.read(out, dtype="float32")
+    audio, _ = sf.read(out, dtype="int16")
     whole = Engine.load(model).stream(
         "Tokens arrive one by one.", voice="ryan", seed=9, max_new_tokens=30, non_streaming_mode=False
     )
     expected = np.concatenate([c.audio for c in whole])
-    assert len(audio) == len(expected) and np.max(np.abs(audio - expected)) < 2 / 32767
+    assert audio.tobytes() == np.frombuffer(pcm16(expected), "<i2").tobytes()
 
 
 def test_hostile_command_lines_and_input_exit_2_before_any_work(tiny_checkpoints, tmp_path):

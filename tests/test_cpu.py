@@ -110,6 +110,7 @@ ISA_SENSITIVE = [
     "test_layers.py",
     "test_quality.py",
     "test_vocoder.py",
+    "test_vocoder_chunks.py",
     "test_parity.py",
     "test_engine.py",
     "test_streaming.py",

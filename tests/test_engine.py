@@ -54,7 +54,7 @@ def test_a_voices_prompt_positions_are_kept_and_give_the_same_bits(engines, name
         request = engine.request(text, seed=3, do_sample=True, max_new_tokens=8, **kwargs)
         part = request.parts[0]
         prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
-        jobs.append((prompt, request.options, part.seed))
+        jobs.append((prompt, request.sampling, part.seed))
     first, second = jobs[0][0], jobs[1][0]
     n = second.voiced
     assert 0 < n == first.voiced < second.embeds.shape[1]
@@ -204,6 +204,28 @@ BAD_INPUTS = [
 
 # The argument each refusal is about: the one the case sets, but for the VoiceDesign cases.
 FIELDS = {"need instruct=": "instruct", "have no preset voices": "voice"}
+
+
+def test_stream_options_are_checked_when_made_and_refused_where_nothing_streams(engines):
+    """A bad chunk schedule is a RequestError naming its field as the options are made; a schedule
+    given to `synthesize`, which does not stream, is refused rather than ignored."""
+    from kazeia import StreamOptions
+
+    for fields, name in (
+        (dict(chunk_frames=0), "chunk_frames"),
+        (dict(first_chunk_frames=True), "first_chunk_frames"),
+        (dict(chunk_frames=4, max_chunk_frames=3), "max_chunk_frames"),
+    ):
+        with pytest.raises(RequestError) as err:
+            StreamOptions(**fields)
+        assert err.value.field == name
+    engine = engines["0.6B-custom"]
+    with pytest.raises(RequestError, match="chunk_frames applies to streams only"):
+        engine.synthesize("Hello.", StreamOptions(voice="serena", chunk_frames=3), **SHORT)
+    plain = StreamOptions(voice="serena", seed=3, **SHORT)  # the stream's fields at their defaults
+    assert np.array_equal(
+        engine.synthesize("Hello.", plain).codes, engine.synthesize("Hello.", voice="serena", seed=3, **SHORT).codes
+    )
 
 
 @pytest.mark.parametrize("name,kwargs,message", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])

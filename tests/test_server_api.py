@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 from server_support import (
     FRAME_BYTES,
-    assert_pcm_close,
+    assert_pcm_equal,
     offline_pcm,
     sse_audio,
     sse_events,
@@ -50,7 +50,7 @@ def test_wav_is_streamed_with_unknown_length_and_equals_engine_audio(client, eng
     assert r.headers["x-kazeia-seed"] == "5"
     pcm = streamed_wav_pcm(r.content)
     expected = offline_pcm(engines["0.6B-custom"], TEXT, voice="serena", **options)
-    assert_pcm_close(pcm, expected)
+    assert_pcm_equal(pcm, expected)
     audio, rate = sf.read(io.BytesIO(r.content), dtype="int16")  # a reader that knows nothing of us
     assert rate == 24000 and len(audio) * 2 == len(pcm)
 
@@ -281,7 +281,7 @@ def test_long_input_streams_segments_and_a_finish_reason(long_client, engines):
     assert [{k: v for k, v in e.items() if k != "type"} for e in segments] == expected
     assert done["segments"] == expected
     audio = sse_audio([e for e in events if e["type"] != "speech.segment"])
-    assert_pcm_close(audio, pcm16(speech.audio))
+    assert_pcm_equal(audio, pcm16(speech.audio))
     assert segments[-1]["end_sample"] * 2 == len(audio)
     seen = 0  # each segment event comes after the audio that ends it
     for event in events:

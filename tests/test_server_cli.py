@@ -95,7 +95,7 @@ def test_serve_takes_long_inputs_only_with_max_input_chars(engines):
     engine speaks it: its token limit follows, unless --max-input-tokens sets one apart."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
-    from server_support import assert_pcm_close, offline_pcm
+    from server_support import assert_pcm_equal, offline_pcm
 
     from kazeia.cli import build_parser
     from kazeia.server import create_app
@@ -118,4 +118,4 @@ def test_serve_takes_long_inputs_only_with_max_input_chars(engines):
             assert f"{refused[flags]} long; this server accepts at most 4096" in error["message"], error
             continue
         assert r.status_code == 200, r.text
-        assert_pcm_close(r.content, offline_pcm(engine, text, **options))
+        assert_pcm_equal(r.content, offline_pcm(engine, text, **options))

@@ -23,6 +23,9 @@ from kazeia.server.guard import RedactKeys, loopback_hosts
 KEY = "kz-test-key-0123"
 SPEECH = {"model": "tiny-custom", "input": "Guarded.", "voice": "serena", "max_new_tokens": 3}
 ROUTE = "/v1/audio/speech/stream"
+# A socket's idle limit where a test checks it: long beside the moment between connecting and sending
+# the first message (the clock runs from the connection), short enough to wait out.
+IDLE_S = 1.0
 
 
 def _client(engines, **config) -> TestClient:
@@ -144,30 +147,30 @@ def test_the_openai_client_passes_its_api_key(engines, tmp_path):
 
 
 def test_an_idle_websocket_is_closed(engines):
-    with _client(engines, ws_idle_s=0.3) as client:
+    with _client(engines, ws_idle_s=IDLE_S) as client:
         with client.websocket_connect(ROUTE) as ws:
             ws.send_json({"type": "session.update", "session": {"voice": "serena", "max_new_tokens": 3}})
-            assert ws.receive_json()["type"] == "session.updated"
-            ws.send_json({"type": "input_text.append", "text": "Spoken, then nothing."})
+            ws.send_json({"type": "input_text.append", "text": "Spoken, then nothing."})  # busy from here
             ws.send_json({"type": "input_text.end"})
+            assert ws.receive_json()["type"] == "session.updated"
             while (
                 not isinstance(message := ws.receive(), dict)
                 or message.get("text") is None
                 or ('"audio.done"' not in message["text"])
             ):
                 pass
-            closed = ws.receive()  # nothing more to say or speak: closed after 0.3 s
+            closed = ws.receive()  # nothing more to say or speak: closed after IDLE_S
         assert closed["type"] == "websocket.close" and closed["code"] == 1000 and "idle" in closed["reason"]
 
 
 def test_a_socket_whose_live_text_ended_badly_is_idle_too(engines):
     """An utterance left open after its audio ended (here: text_timeout) only drops deltas: the
     socket is idle and closed like any other, so it cannot hold a connection slot forever."""
-    with _client(engines, ws_idle_s=0.5, text_timeout=0.2) as client:
+    with _client(engines, ws_idle_s=IDLE_S, text_timeout=0.2) as client:
         with client.websocket_connect(ROUTE) as ws:
             ws.send_json({"type": "session.update", "session": {"voice": "serena", "max_new_tokens": 6}})
+            ws.send_json({"type": "input_text.append", "text": "And then nothing "})  # busy until it times out
             assert ws.receive_json()["type"] == "session.updated"
-            ws.send_json({"type": "input_text.append", "text": "And then nothing "})
             while (message := ws.receive()).get("text") is None or '"text_timeout"' not in message["text"]:
                 assert message["type"] == "websocket.send", message
             closed = ws.receive()

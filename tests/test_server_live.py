@@ -1,8 +1,13 @@
-"""A real uvicorn on 127.0.0.1: the official OpenAI client, streaming, disconnects, a full queue."""
+"""A real uvicorn on 127.0.0.1: the official OpenAI client, streaming, disconnects, a full queue.
+
+Tests that need an utterance to be still under way (audio arriving while it is generated, a
+client that leaves, a full queue) hold the worker at a gate (`HeldJobs`) rather than count on the
+machine being slow enough: the utterance cannot end before the test lets it or cancels it."""
 
 import contextlib
 import io
 import json
+import re
 import threading
 import time
 
@@ -15,8 +20,9 @@ import soundfile as sf
 from server_support import (
     FRAME_BYTES,
     HEADER_BYTES,
+    HeldJobs,
     LiveServer,
-    assert_pcm_close,
+    assert_pcm_equal,
     offline_pcm,
     sse_audio,
     sse_events,
@@ -64,20 +70,23 @@ def _wait_for_record(worker, job_count: int):
 
 def test_openai_client_streams_a_valid_wav(live, engines, tmp_path):
     openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0)
+    # timeout: the first piece must come while the rest is held
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="not-needed", max_retries=0, timeout=60)
     options = {"seed": 17, "max_new_tokens": 20, "ignore_eos": True, "language": "english"}
-    with client.audio.speech.with_streaming_response.create(
-        model="tiny-custom", voice="serena", input=TEXT, response_format="wav", extra_body=options
-    ) as response:
+    request = dict(model="tiny-custom", voice="serena", input=TEXT, response_format="wav", extra_body=options)
+    with HeldJobs() as gate, client.audio.speech.with_streaming_response.create(**request) as response:
         assert response.headers["content-type"] == "audio/wav"
-        pieces = list(response.iter_bytes())
-    assert len(pieces) > 1  # it arrived in pieces, as generated
+        stream = response.iter_bytes()
+        gate.wait_held()
+        pieces = [next(stream)]  # it arrives in pieces, as generated: this one before the rest exists
+        gate.release()
+        pieces += list(stream)
     data = b"".join(pieces)
     (tmp_path / "openai.wav").write_bytes(data)
     audio, rate = sf.read(tmp_path / "openai.wav", dtype="int16")
     assert rate == 24000 and len(audio) == 19 * 1920
     expected = offline_pcm(engines["0.6B-custom"], TEXT, voice="serena", **options)
-    assert_pcm_close(streamed_wav_pcm(data), expected)
+    assert_pcm_equal(streamed_wav_pcm(data), expected)
 
 
 @pytest.mark.parametrize("model", ["tts-1", "gpt-4o-mini-tts"])
@@ -116,13 +125,15 @@ def test_openai_client_sse_and_errors(live):
 
 def test_audio_arrives_while_it_is_generated(live):
     worker = live.app.state.kazeia.worker
-    with httpx.Client(base_url=live.url, timeout=30) as client:
+    with HeldJobs() as gate, httpx.Client(base_url=live.url, timeout=30) as client:
         with client.stream("POST", "/v1/audio/speech", json=_body(response_format="wav", **LONG)) as response:
             received = b""
             pieces = response.iter_bytes()
-            while len(received) <= HEADER_BYTES:
+            while len(received) <= HEADER_BYTES:  # comes while the worker is held after its first chunk
                 received += next(pieces)
-            assert worker.active == 1  # the first audio is here and generation goes on
+            gate.wait_held()
+            assert worker.active == 1  # the first audio is here and the utterance goes on
+            gate.release()
             received += b"".join(pieces)
     assert len(streamed_wav_pcm(received)) == 149 * FRAME_BYTES
 
@@ -130,10 +141,10 @@ def test_audio_arrives_while_it_is_generated(live):
 def test_client_disconnect_stops_generation_within_one_frame(live):
     worker = live.app.state.kazeia.worker
     jobs = len(worker.records)
-    with httpx.Client(base_url=live.url, timeout=30) as client:
+    with HeldJobs(), httpx.Client(base_url=live.url, timeout=30) as client:  # it cannot end before the client leaves
         with client.stream("POST", "/v1/audio/speech", json=_body(response_format="pcm", **LONG)) as response:
             next(response.iter_bytes())
-    record = _wait_for_record(worker, jobs + 1)
+        record = _wait_for_record(worker, jobs + 1)
     assert record.status == "cancelled"
     assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
 
@@ -142,10 +153,10 @@ def test_a_whole_response_client_that_leaves_stops_generation(live):
     """`stream: false` sends nothing before the end, so the server polls for a client that left."""
     worker = live.app.state.kazeia.worker
     jobs = len(worker.records)
-    with httpx.Client(base_url=live.url, timeout=0.5) as client:
+    with HeldJobs(), httpx.Client(base_url=live.url, timeout=0.5) as client:  # held: no answer before it leaves
         with pytest.raises(httpx.ReadTimeout):  # leaves while the whole answer is being made
             client.post("/v1/audio/speech", json=_body(response_format="pcm", stream=False, **LONG))
-    record = _wait_for_record(worker, jobs + 1)
+        record = _wait_for_record(worker, jobs + 1)
     assert record.status == "cancelled" and record.frames < 149
 
 
@@ -154,44 +165,52 @@ def test_websocket_disconnect_stops_generation_within_one_frame(live):
 
     worker = live.app.state.kazeia.worker
     jobs = len(worker.records)
-    with connect(live.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
-        ws.send('{"type": "session.update", "session": {"voice": "eric", "ignore_eos": true, "max_new_tokens": 150}}')
-        assert '"session.updated"' in ws.recv(timeout=10)
-        ws.send('{"type": "input_text", "text": "Goodbye."}')
-        assert '"audio.start"' in ws.recv(timeout=10)
-        assert isinstance(ws.recv(timeout=10), bytes)
-    record = _wait_for_record(worker, jobs + 1)
+    with HeldJobs():  # the utterance cannot end before its client leaves
+        with connect(live.url.replace("http", "ws") + "/v1/audio/speech/stream") as ws:
+            session = {"voice": "eric", "ignore_eos": True, "max_new_tokens": 150}
+            ws.send(json.dumps({"type": "session.update", "session": session}))
+            assert '"session.updated"' in ws.recv(timeout=10)
+            ws.send('{"type": "input_text", "text": "Goodbye."}')
+            assert '"audio.start"' in ws.recv(timeout=10)
+            assert isinstance(ws.recv(timeout=10), bytes)
+        record = _wait_for_record(worker, jobs + 1)
     assert record.status == "cancelled"
     assert record.frames - record.frames_at_cancel <= 1 and record.frames < 149
 
 
+def _refused_503(client) -> int:
+    found = re.search(r'^kazeia_request_errors_total\{route="/v1/audio/speech",status="503"\} (\d+)$',
+                      client.get("/metrics").text, re.M)  # fmt: skip
+    return int(found.group(1)) if found else 0
+
+
 def test_full_queue_is_refused_with_503_and_retry_after(live):
-    """One utterance generating and one waiting fill the queue (queue_size 1): the next is refused.
-    Streams are opened until one is refused, as the first may end before the test gets there on a
-    fast machine (149 frames, its client reads none of them)."""
+    """`max_batch` utterances generating (each held after its first audio) and one waiting fill the
+    queue (queue_size 1): the next is refused, and every one ends cancelled when its client leaves."""
     worker = live.app.state.kazeia.worker
-    jobs = len(worker.records)
+    jobs, places = len(worker.records), worker.max_batch
     body = _body(response_format="pcm", **LONG)
-    with httpx.Client(base_url=live.url, timeout=30) as client, contextlib.ExitStack() as streams:
-        first = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
-        next(first.iter_bytes())  # generating
-        accepted = 1
-        while (
-            response := streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
-        ).status_code == 200:
-            accepted += 1
-            assert accepted < 6, "five utterances at once and none refused"
+    with HeldJobs(), httpx.Client(base_url=live.url, timeout=30) as client, contextlib.ExitStack() as streams:
+        refused = _refused_503(client)  # earlier tests' cut answers count too
+        readers = []  # kept: a reader that is dropped closes its response (its client leaves)
+        for _ in range(places):
+            response = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+            assert response.status_code == 200
+            readers.append(response.iter_bytes())
+            next(readers[-1])  # its first audio: a serving thread has it, and is held there
+        waiting = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
+        assert waiting.status_code == 200 and worker.queue_depth == 1  # no serving thread is free
+        response = streams.enter_context(client.stream("POST", "/v1/audio/speech", json=body))
         assert response.status_code == 503
-        assert worker.queue_depth == 1
+        assert worker.queue_depth == 1 and worker.active == places + 1
         assert int(response.headers["retry-after"]) >= 1
         error = json.loads(response.read())["error"]
         assert error["code"] == "queue_full" and error["type"] == "server_error" and "busy" in error["message"]
+        assert _refused_503(client) == refused + 1
         streams.close()  # every client leaves
-        metrics = client.get("/metrics").text
-    assert 'kazeia_request_errors_total{route="/v1/audio/speech",status="503"} 1' in metrics
-    _wait_for_record(worker, jobs + accepted)  # each ends once its client has gone (not at once)
+        _wait_for_record(worker, jobs + places + 1)  # each ends once its client has gone (not at once)
     statuses = [r.status for r in list(worker.records)[jobs:]]
-    assert len(statuses) == accepted and statuses[-2:] == ["cancelled", "cancelled"], statuses
+    assert statuses == ["cancelled"] * (places + 1), statuses
 
 
 def test_wav_from_the_server_reads_with_soundfile(live):
@@ -240,11 +259,14 @@ def test_a_client_that_takes_a_chunk_now_and_then_is_cancelled():
                 taken.append(item)
                 await asyncio.sleep(0.2)
 
+        async def producer_done() -> None:  # the worker's side ends once cancelled, or after all 20
+            while producer.is_alive():
+                await asyncio.sleep(0.05)
+
         producer = threading.Thread(target=lambda: [job.put(b"x" * 100) for _ in range(20)], daemon=True)
         consumer = loop.create_task(trickle())
         producer.start()
-        loop.run_until_complete(asyncio.sleep(1.5))
-        producer.join(5)
+        loop.run_until_complete(asyncio.wait_for(producer_done(), 60))
         consumer.cancel()
         loop.run_until_complete(asyncio.gather(consumer, return_exceptions=True))
     finally:

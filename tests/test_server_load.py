@@ -103,8 +103,8 @@ def _wait_idle(url: str) -> None:
 
 
 def _settled(pid: int, field: str, target: int) -> int:
-    """proc_status(pid, field), waiting up to 5 s for it to come down to `target`."""
-    deadline = time.monotonic() + 5
+    """proc_status(pid, field), waiting up to 30 s (a busy machine) for it to come down to `target`."""
+    deadline = time.monotonic() + 30
     while (value := proc_status(pid, field)) > target and time.monotonic() < deadline:
         time.sleep(0.1)
     return value

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
-from server_support import FRAME_BYTES, assert_pcm_close, offline_pcm
+from server_support import FRAME_BYTES, HeldJobs, assert_pcm_equal, offline_pcm
 from server_support import ws_receive as receive
 
 from kazeia.server import Limits, ServerConfig, create_app
@@ -53,7 +53,7 @@ def test_session_then_text_streams_engine_audio(client, engines):
     assert start == {
         "type": "audio.start", "utterance": 1, "sample_rate": 24000, "channels": 1, "format": "pcm_s16le", "seed": 21,
     }  # fmt: skip
-    assert_pcm_close(pcm, offline_pcm(engines["0.6B-custom"], TEXT, voice="serena", **options))
+    assert_pcm_equal(pcm, offline_pcm(engines["0.6B-custom"], TEXT, voice="serena", **options))
     m = done["metrics"]
     assert done["status"] == "completed" and done["utterance"] == 1
     assert m["samples"] * 2 == len(pcm) and m["frames"] * FRAME_BYTES == len(pcm) and m["seed"] == 21
@@ -103,10 +103,13 @@ def test_errors_leave_the_socket_and_session_usable(client):
 
 
 def test_cancel_stops_the_utterance_and_drops_the_queued_ones(client, app):
-    with client.websocket_connect(ROUTE) as ws:
+    """The first utterance is held after its first audio (`HeldJobs`): it is still being spoken
+    when the next texts come and when `cancel` does, however fast the machine."""
+    with HeldJobs() as gate, client.websocket_connect(ROUTE) as ws:
         update(ws, voice="aiden", ignore_eos=True, max_new_tokens=80)
         ws.send_json({"type": "input_text", "text": "A long one."})
         assert receive(ws)["type"] == "audio.start"
+        gate.wait_held()
         for text in ("Queued.", "Also queued.", "One too many."):
             ws.send_json({"type": "input_text", "text": text})
         while isinstance(event := receive(ws), bytes):
@@ -148,4 +151,4 @@ def test_a_long_text_reports_its_segments(engines):
         (s.text, s.start_sample, s.end_sample, s.finish_reason) for s in speech.segments
     ]
     assert item["segments"] == [{k: v for k, v in s.items() if k not in ("type", "utterance")} for s in segments]
-    assert_pcm_close(pcm, offline_pcm(engines["0.6B-custom"], text, voice="ryan", **options))
+    assert_pcm_equal(pcm, offline_pcm(engines["0.6B-custom"], text, voice="ryan", **options))

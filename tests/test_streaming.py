@@ -212,7 +212,7 @@ def test_a_prompt_on_a_team_gives_the_same_state(tiny_checkpoints, dtype):
         with torch.inference_mode():
             generator = torch.Generator().manual_seed(part.seed)
             team = cpu.Team(threads, openmp)
-            state, codes = engine.runtime.step.prefill(prompt, request.options, generator, team)
+            state, codes = engine.runtime.step.prefill(prompt, request.sampling, generator, team)
         made.append((codes, [(c.k.clone(), c.v.clone()) for c in state.cache.layers]))
     (codes_one, kv_one), (codes_two, kv_two) = made
     assert torch.equal(codes_one, codes_two)

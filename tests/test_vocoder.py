@@ -1,7 +1,9 @@
-"""The vocoder: parity with the reference decoder, streaming == offline, loading, weight scales, input checks."""
+"""The vocoder: parity with the reference decoder, streaming == offline, loading, weight scales, input
+checks, each convolution against PyTorch's. Chunk invariance bit for bit: tests/test_vocoder_chunks.py."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import pathlib
@@ -14,19 +16,10 @@ from hypothesis import strategies as st
 from reference import load_reference
 from safetensors.torch import save_file
 
-from kazeia import conv as conv_module
 from kazeia import native
 from kazeia.checkpoint import assign
 from kazeia.config import CheckpointError, VocoderConfig
-from kazeia.conv import (
-    GEMM_MIN_WEIGHT_RATIO,
-    PACK_MIN_WEIGHTS,
-    POLYPHASE_MIN_POSITIONS,
-    SnakeBeta,
-    TimeMajorConv,
-    TimeMajorTransConv,
-    packs_best,
-)
+from kazeia.conv import Depthwise, SnakeBeta, Tiled, TiledLinear, TimeMajorConv, TimeMajorTransConv
 from kazeia.matmul import PackedLinear, can_pack
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
 from kazeia.vocoder import Vocoder, vocoder_tensors
@@ -46,11 +39,17 @@ class Setup:
         self.root = root
         self.cfg = VocoderConfig.from_file(root / "config.json")
         self.tensors = random_vocoder_tensors(self.cfg, torch.Generator().manual_seed(seed))
-        with torch.device("meta"):
-            self.vocoder = Vocoder(self.cfg)
-        assign(self.vocoder, vocoder_tensors(self.tensors), where="random", device="cpu", dtype=torch.float32)
-        self.vocoder.prepare("cpu", torch.float32)  # as Vocoder.load leaves it
+        self.vocoder = self.build()
         self._reference = None
+
+    def build(self, dtype: torch.dtype = torch.float32) -> Vocoder:
+        """Our vocoder of these tensors in `dtype`, as `Vocoder.load` leaves it (native where the
+        library is there; tests monkeypatch `native.library` for the eager one)."""
+        with torch.device("meta"):
+            vocoder = Vocoder(self.cfg)
+        assign(vocoder, vocoder_tensors(self.tensors), where="random", device="cpu", dtype=dtype)
+        vocoder.prepare("cpu", dtype)
+        return vocoder.eval()
 
     @property
     def reference(self):
@@ -84,6 +83,11 @@ def tiny(tmp_path_factory) -> Setup:
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape
     return (a - b).abs().max().item()
+
+
+def close_or_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits where the vocoder runs natively (any chunking gives the offline audio), else within TOL."""
+    return torch.equal(a, b) if native.library() is not None else max_diff(a, b) <= TOL
 
 
 def check_audible(audio: torch.Tensor) -> None:
@@ -133,7 +137,7 @@ def test_streaming_equals_offline(tiny: Setup, frames: int, sizes: list[int], se
         pieces.append(piece)
         start, i = start + n, i + 1
     assert state.position == frames
-    assert max_diff(torch.cat(pieces, dim=-1), tiny.vocoder(codes)) <= TOL
+    assert close_or_equal(torch.cat(pieces, dim=-1), tiny.vocoder(codes))
 
 
 def test_streaming_long_batch_and_constant_state(tiny: Setup):
@@ -143,7 +147,7 @@ def test_streaming_long_batch_and_constant_state(tiny: Setup):
     bounds = [0, 1, 8, 8, 80, 240, 330]  # includes an empty chunk
     pieces = [tiny.vocoder.decode_chunk(codes[:, a:b], state) for a, b in itertools.pairwise(bounds)]
     assert [t.shape for t in state.tails] + [c.k.shape for c in state.caches] == shapes
-    assert max_diff(torch.cat(pieces, dim=-1), tiny.vocoder(codes)) <= TOL
+    assert close_or_equal(torch.cat(pieces, dim=-1), tiny.vocoder(codes))
 
 
 def test_a_chunk_pauses_between_its_stages_and_its_audio_does_not_change(tiny: Setup):
@@ -197,18 +201,27 @@ def test_load_from_released_layout(tiny: Setup, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     loaded = Vocoder.load(tmp_path)
     codes = tiny.codes(1, 5, seed=2)
-    # On the CPU loading also moves the linears onto oneDNN's packed weights (other sum order).
-    packed = [name for name, m in loaded.named_modules() if isinstance(m, PackedLinear)]
-    assert len(packed) == (4 * tiny.cfg.num_layers + 2 + 2 * 2 if can_pack(torch.float32) else 0), packed
-    # ...and the decoder convs that run fastest so onto packed weights: at these tiny sizes (every
-    # weight under PACK_MIN_WEIGHTS) the 1x1 convs only, the second of each residual unit's two
-    convs = [m for m in loaded.modules() if isinstance(m, (TimeMajorConv, TimeMajorTransConv))]
-    assert all(m.shape[0] * m.shape[1] * m.shape[2] < PACK_MIN_WEIGHTS for m in convs)
-    ones = [m for m in convs if isinstance(m, TimeMajorConv) and m.shape[2] == 1]
-    assert len(ones) == 3 * len(tiny.cfg.upsample_rates)
-    assert [m.packed is not None for m in convs] == [can_pack(torch.float32) and m in ones for m in convs]
-    assert max_diff(loaded(codes), tiny.vocoder(codes)) <= TOL
+    assert torch.equal(loaded(codes), tiny.vocoder(codes))
     assert max_diff(loaded(codes), tiny.reference_decode(codes)) <= TOL
+
+
+def test_native_vocoder_runs_every_layer_natively(tiny: Setup):
+    """Loaded on the CPU with the native library, every product is a `Tiled` one (each conv and
+    transposed conv, the codebooks' projection, every linear), the depthwise convs, norms and
+    activations native too, all in float32; only the pre-conv keeps its original weight."""
+    if native.library() is None:
+        pytest.skip("no native library here")
+    vocoder, lib = tiny.vocoder, native.library()
+    convs = [m for m in vocoder.modules() if isinstance(m, (TimeMajorConv, TimeMajorTransConv))]
+    assert len(convs) == 2 + 2 + len(tiny.cfg.upsample_rates) * (1 + 3 * 2) + 1
+    assert all(isinstance(m.native, Tiled) for m in convs)
+    assert [m.conv.weight is not None for m in convs] == [m is vocoder.pre_conv for m in convs]
+    linears = [m for m in vocoder.modules() if isinstance(m, TiledLinear)]
+    assert len(linears) == 4 * tiny.cfg.num_layers + 2 + 2 * 2  # qkv, o, gate/up, down; in/out; ConvNeXt's
+    assert not any(isinstance(m, torch.nn.Linear) for m in vocoder.modules())
+    assert all(m.lib is lib for m in vocoder.modules() if isinstance(m, (SnakeBeta, Depthwise)))
+    assert all(q.native is not None for q in (vocoder.quantizer.rvq_first, vocoder.quantizer.rvq_rest))
+    assert all(t.dtype == torch.float32 for t in [*vocoder.parameters(), *vocoder.buffers()] if t.is_floating_point())
 
 
 def test_missing_codebook_tensor_is_named(tiny: Setup):
@@ -242,115 +255,122 @@ def test_unbatched_codes_and_state_batch(tiny: Setup):
         tiny.vocoder.decode_chunk(codes, tiny.vocoder.new_state(2))
 
 
-@pytest.mark.parametrize(
-    "positions, packed", [(40, False), (POLYPHASE_MIN_POSITIONS + 44, False), (5, True), (300, True)]
-)
-def test_decoder_transposed_conv_is_conv_transpose1d(positions: int, packed: bool):
-    """Every way `TimeMajorTransConv` computes (overlap-add below POLYPHASE_MIN_POSITIONS inputs, one
-    polyphase conv from there, the product on a packed weight after `pack`) gives PyTorch's
-    ConvTranspose1d, trimmed as the reference trims it, over the carried input and the new ones;
-    the carried input moves on."""
-    if packed and not can_pack(torch.float32):
-        pytest.skip("no oneDNN packed matmul here")
-    torch.manual_seed(0)
+@contextlib.contextmanager
+def eager_vocoder():
+    """Vocoders prepared inside are eager PyTorch (as without the native library)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "library", lambda: None)
+        yield
+
+
+def native_or_skip():
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no native library here")
+    return lib
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 4)
+
+
+@pytest.mark.parametrize("positions", [1, 40, 300])
+@pytest.mark.parametrize("native_path", [False, True])
+def test_decoder_transposed_conv_is_conv_transpose1d(positions: int, native_path: bool):
+    """`TimeMajorTransConv` in its polyphase form, eager and native, gives PyTorch's ConvTranspose1d,
+    trimmed as the reference trims it, over the carried input and the new ones; the carried input
+    moves on."""
     up = TimeMajorTransConv(12, 8, 6, 3)
     up.slot = 0
-    with torch.no_grad():
-        up.conv.weight.copy_(torch.randn_like(up.conv.weight) / 4)
-        up.conv.bias.copy_(torch.randn_like(up.conv.bias))
-    weight = up.conv.weight.detach().clone()
-    if packed:
-        up.pack()
-        assert up.conv.weight is None and "conv.weight" not in up.state_dict()
-    tail, x = torch.randn(1, up.keep, 12), torch.randn(1, positions, 12)  # time-major
+    randomize(up, 0)
+    weight, bias = up.conv.weight.detach().clone(), up.conv.bias.detach().clone()
+    if native_path:
+        up.use_native(native_or_skip())
+        assert up.conv.weight is None
+    gen = torch.Generator().manual_seed(1)
+    tail, x = torch.randn(1, up.keep, 12, generator=gen), torch.randn(1, positions, 12, generator=gen)  # time-major
     tails = [tail.clone()]
     with torch.no_grad():
         got = up(x, tails)
-        full = F.conv_transpose1d(torch.cat((tail, x), 1).transpose(1, 2), weight, up.conv.bias, stride=3)
+        full = F.conv_transpose1d(torch.cat((tail, x), 1).transpose(1, 2), weight, bias, stride=3)
     expected = full[..., 3 * up.keep : 3 * (up.keep + positions)].transpose(1, 2)  # (1, 3L, 8)
     assert got.shape == (1, 3 * positions, 8)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(tails[0], x[:, -up.keep :])
 
 
-def test_vocoder_without_the_native_library_matches_the_reference(tiny: Setup, monkeypatch):
+def test_eager_vocoder_matches_the_reference_and_the_native_one(tiny: Setup):
+    """Without the native library the vocoder runs in PyTorch (its convs, attention, norms,
+    SnakeBeta), within TOL of the reference and of the native vocoder."""
     codes = tiny.codes(1, 12, seed=9)
-    snakes = [m for m in tiny.vocoder.modules() if isinstance(m, SnakeBeta)]
-    assert all(m.lib is native.library() for m in snakes)  # chosen once at load, for all alike
-    native_out = tiny.vocoder(codes)
-    for snake in snakes:
-        monkeypatch.setattr(snake, "lib", None)  # SnakeBeta in PyTorch
-    eager = tiny.vocoder(codes)
-    assert max_diff(eager, tiny.reference_decode(codes)) <= TOL
-    assert max_diff(eager, native_out) <= TOL
+    with eager_vocoder():
+        eager = tiny.build()
+    assert not any(isinstance(m, (Tiled, TiledLinear)) for m in eager.modules())
+    assert all(m.lib is None for m in eager.modules() if isinstance(m, SnakeBeta))
+    packed = [m for m in eager.modules() if isinstance(m, PackedLinear)]  # oneDNN's, as the talker's
+    assert len(packed) == (4 * tiny.cfg.num_layers + 2 + 2 * 2 if can_pack(torch.float32) else 0)
+    audio = eager(codes)
+    assert max_diff(audio, tiny.reference_decode(codes)) <= TOL
+    assert max_diff(audio, tiny.vocoder(codes)) <= TOL
 
 
-def test_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setup, tmp_path):
-    """After `Vocoder.load`, every time-major conv's weight is laid out (C_out, k, C_in), which the
-    conv reads without a per-call copy, with the released shape and values."""
+def test_eager_decoder_conv_weights_are_kept_in_the_layout_their_convs_read(tiny: Setup, tmp_path):
+    """Loaded eager, every time-major conv's weight is laid out (C_out, k, C_in), which the conv
+    reads without a per-call copy, with the released shape and values."""
     (tmp_path / "config.json").write_text(json.dumps(tiny.config))
     save_file(tiny.tensors, str(tmp_path / "model.safetensors"))
-    loaded = Vocoder.load(tmp_path)
+    with eager_vocoder():
+        loaded = Vocoder.load(tmp_path)
     convs = [m for m in loaded.modules() if isinstance(m, TimeMajorConv)]
-    assert len(convs) == 2 + 3 * 2 * len(tiny.cfg.upsample_rates)
+    assert len(convs) == 1 + 1 + 3 * 2 * len(tiny.cfg.upsample_rates) + 1
     for name, module in loaded.named_modules():
-        if isinstance(module, TimeMajorConv) and module.packed is None:  # packed: the test below
+        if isinstance(module, TimeMajorConv):
             weight = module.conv.weight
             assert weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last), name
             assert torch.equal(weight, tiny.tensors[f"decoder.{name}.conv.weight"]), name
 
 
-@pytest.mark.parametrize("batch, positions", [(1, 2), (2, 1), (2, 300)])
-def test_decoder_conv_is_conv1d_as_product_or_conv(batch: int, positions: int, monkeypatch):
-    """`TimeMajorConv` gives PyTorch's causal Conv1d over the carried and new inputs, whether it runs
-    as a matrix product (weight >= GEMM_MIN_WEIGHT_RATIO x input: the short calls here) or as a
-    conv (the long one), with its weight stored as `store_for_reading` leaves it."""
-    torch.manual_seed(1)
-    conv = TimeMajorConv(32, 256, 7, dilation=2)
-    conv.slot = 0
-    with torch.no_grad():
-        conv.conv.weight.copy_(torch.randn_like(conv.conv.weight) / 8)
-        conv.conv.bias.copy_(torch.randn_like(conv.conv.bias))
-    conv.store_for_reading()
-    tail, x = torch.randn(batch, conv.keep, 32), torch.randn(batch, positions, 32)  # time-major
-    as_product = conv.conv.weight.numel() >= GEMM_MIN_WEIGHT_RATIO * (conv.keep + positions) * 32 * batch
-    assert as_product == (positions < 100)
-    tails = [tail.clone()]
-    convs = []
-    conv2d = F.conv2d
-    monkeypatch.setattr(conv_module.F, "conv2d", lambda *a, **k: convs.append(1) or conv2d(*a, **k))
-    with torch.no_grad():
-        got = conv(x, tails)
-    assert len(convs) == (0 if as_product else 1)
-    with torch.no_grad():
-        expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), conv.conv.weight, conv.conv.bias, dilation=2)
-    torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
-    assert torch.equal(tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])
-
-
-@pytest.mark.parametrize("kernel, dilation", [(7, 2), (1, 1)])
+@pytest.mark.parametrize("kernel, dilation", [(7, 2), (1, 1), (3, 1)])
 @pytest.mark.parametrize("batch, positions", [(1, 1), (2, 5), (1, 300)])
-def test_a_packed_decoder_conv_is_conv1d(kernel: int, dilation: int, batch: int, positions: int):
-    """After `pack`, `TimeMajorConv` is one product on oneDNN's packed weight at every call size,
-    PyTorch's causal Conv1d over the carried and new inputs, and the carried input moves on."""
-    if not can_pack(torch.float32):
-        pytest.skip("no oneDNN packed matmul here")
-    torch.manual_seed(2)
+@pytest.mark.parametrize("native_path", [False, True])
+def test_decoder_conv_is_conv1d(kernel: int, dilation: int, batch: int, positions: int, native_path: bool):
+    """`TimeMajorConv`, eager and native, gives PyTorch's causal Conv1d over the carried and new
+    inputs, plus a residual when given; the carried input moves on."""
     conv = TimeMajorConv(24, 40, kernel, dilation=dilation)
     conv.slot = 0
-    with torch.no_grad():
-        conv.conv.weight.copy_(torch.randn_like(conv.conv.weight) / 8)
-        conv.conv.bias.copy_(torch.randn_like(conv.conv.bias))
+    randomize(conv, 2)
     conv.store_for_reading()
-    weight = conv.conv.weight.detach().clone()
-    assert packs_best(conv) == (kernel == 1)  # small: only a 1x1 conv packs of itself
-    conv.pack()
-    assert conv.conv.weight is None and conv.shape == (24, 40, kernel)
-    tail, x = torch.randn(batch, conv.keep, 24), torch.randn(batch, positions, 24)  # time-major
+    weight, bias = conv.conv.weight.detach().clone(), conv.conv.bias.detach().clone()
+    if native_path:
+        conv.use_native(native_or_skip())
+        assert conv.conv.weight is None and conv.shape == (24, 40, kernel)
+    gen = torch.Generator().manual_seed(3)
+    tail, x = torch.randn(batch, conv.keep, 24, generator=gen), torch.randn(batch, positions, 24, generator=gen)
+    res = torch.randn(batch, positions, 40, generator=gen)
+    tails = [tail.clone()]
+    with torch.no_grad():
+        got = conv(x, tails, res=res)
+        expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), weight, bias, dilation=dilation)
+    torch.testing.assert_close(got, expected.transpose(1, 2) + res, rtol=1e-5, atol=1e-5)
+    if conv.keep:
+        assert torch.equal(tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])
+
+
+@pytest.mark.parametrize("native_path", [False, True])
+def test_depthwise_conv_is_grouped_conv1d(native_path: bool):
+    conv = Depthwise(20, 7)
+    conv.slot = 0
+    randomize(conv, 4)
+    if native_path:
+        conv.use_native(native_or_skip())
+    gen = torch.Generator().manual_seed(5)
+    tail, x = torch.randn(2, conv.keep, 20, generator=gen), torch.randn(2, 9, 20, generator=gen)
     tails = [tail.clone()]
     with torch.no_grad():
         got = conv(x, tails)
-        expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), weight, conv.conv.bias, dilation=dilation)
+        expected = F.conv1d(torch.cat((tail, x), 1).transpose(1, 2), conv.conv.weight, conv.conv.bias, groups=20)
     torch.testing.assert_close(got, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
-    if conv.keep:
-        assert torch.equal(tails[0], torch.cat((tail, x), 1)[:, -conv.keep :])
+    assert torch.equal(tails[0], x[:, -conv.keep :])

@@ -31,7 +31,8 @@ from pathlib import Path
 from .. import cpu
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("decode.c", "vocoder.c", "gemv.c", "int4.c", "int8.c", "stack.c")
+    Path(__file__).with_name(name)
+    for name in ("decode.c", "vocoder.c", "conv.c", "gemv.c", "int4.c", "int8.c", "stack.c")
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtypes.h", "jobs.h"))  # included: in the build key
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
@@ -196,6 +197,15 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "silu_mul": ([_P, _P, _INT, _INT, _INT], None),
     "has_float16": ([], _INT),
     "snake_beta": ([*[_P] * 4, *[_LONG] * 5, _INT], _INT),
+    "layer_norm_rows": ([*[_P] * 4, _LONG, _LONG, _F], None),
+    "gelu_rows": ([_P, _LONG, _LONG], None),
+    "depthwise_conv": ([_P, _LONG, _P, _P, _P, *[_LONG] * 4, _INT, _INT], None),
+    "window_attend": ([*[_P] * 6, _LONG, _LONG, *[_INT] * 4, _LONG], _INT),
+    "vconv": ([_P, _LONG, _LONG, *[_P] * 3, _LONG, _LONG, _P, *[_LONG] * 6, *[_INT] * 4], _INT),
+    "vconv_pack": ([_P, _LONG, _LONG, _INT, _P], None),
+    "vconv_packed_bytes": ([_LONG, _LONG, _INT], _LONG),
+    "vconv_pairs": ([_LONG], _INT),
+    "vconv_lanes": ([], _INT),
     "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
     "gemv_bf16_dot": ([], _INT),

@@ -184,10 +184,9 @@ class StackStep:
         scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
         hp, np_, ap, mp, sp = (t.data_ptr() for t in (h, normed, attended, activated, scratch))
         ropes = [(cos.data_ptr(), sin.data_ptr()) for (cos, sin), _, _ in requests]
-        n = B * T
         width, out_width = (nq + 2 * nkv) * hd * dtype.itemsize, nq * hd * dtype.itemsize  # bytes a row
         eps, qk_eps = self.eps, self.qk_eps
-        lib.add_rms_norm(hp, None, self.first_norm, np_, n, H, eps, dt)
+        lib.add_rms_norm(hp, None, self.first_norm, np_, rows, H, eps, dt)
         for index, (qkv, qk_w, o_proj, post_w, gate_up, down, next_w) in enumerate(layers):
             y = qkv(normed)
             yp = y.data_ptr()
@@ -198,12 +197,12 @@ class StackStep:
             # Each product's output is held in a name until the call returns (a temporary's memory
             # would be freed as soon as its address is taken).
             y = o_proj(attended)
-            lib.add_rms_norm(hp, y.data_ptr(), post_w, np_, n, H, eps, dt)
+            lib.add_rms_norm(hp, y.data_ptr(), post_w, np_, rows, H, eps, dt)
             y = gate_up(normed)
-            lib.silu_mul(y.data_ptr(), mp, n, self.inner, dt)
+            lib.silu_mul(y.data_ptr(), mp, rows, self.inner, dt)
             y = down(activated)
-            lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, n, H, eps, dt)
-        return normed[:n]
+            lib.add_rms_norm(hp, y.data_ptr(), next_w, np_, rows, H, eps, dt)
+        return normed
 
 
 def stack_step(lib: ctypes.CDLL | None, layers, norm, dtype: torch.dtype) -> StackStep | None:

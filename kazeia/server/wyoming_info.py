@@ -122,6 +122,9 @@ class Catalog:
         options = {**self.defaults, "voice": self.voice(voice.get("name"), voice.get("speaker"))}
         if voice.get("language") is not None:
             options["language"] = self.language(voice["language"])
+        # One layout for a whole text and a streamed one (the one live text reads as it arrives),
+        # so that Home Assistant hears the same utterance either way.
+        options.setdefault("non_streaming_mode", False)
         return options
 
     def info(self) -> Info:

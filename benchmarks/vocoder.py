@@ -1,0 +1,133 @@
+"""The vocoder alone: ms per frame by chunk size and thread count, against another checkout.
+
+Decodes the same random codes on a real-size random speech-tokenizer decoder (the released
+dimensions, written once to the benchmark cache) in chunks of each size, on a fresh stream state
+each time, and prints ms per frame (median and best of the rounds). With `--baseline DIR` (a second
+checkout of Kazeia, e.g. `git worktree add /tmp/base main`) its vocoder is loaded in the same
+process under another package name and timed interleaved with this one (A, B, B, A, ...), so both
+see the same machine; the ratio column is this checkout's time over the baseline's. It also checks
+that this checkout's audio has the same bits at every chunk size and thread count, and how far it is
+from the baseline's.
+
+    python benchmarks/vocoder.py --baseline /tmp/base --chunks 1,4,32 --threads 1,2 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import CACHE, machine, real_checkpoint
+
+from kazeia import cpu
+from kazeia.config import VocoderConfig
+from kazeia.testing.vocoder import random_vocoder_tensors
+from kazeia.vocoder import Vocoder
+
+CONFIG = Path(__file__).resolve().parent.parent / "kazeia/reference_files/Qwen3-TTS-12Hz-0.6B-CustomVoice"
+
+
+def speech_tokenizer() -> Path:
+    """A real-size random speech-tokenizer directory (config.json + decoder tensors), cached."""
+    path = CACHE / "speech_tokenizer-0.6B"
+    if not (path / "model.safetensors").is_file():
+        from safetensors.torch import save_file
+
+        print(f"writing a real-size random speech tokenizer to {path} (once) ...", flush=True)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text((CONFIG / "speech_tokenizer" / "config.json").read_text())
+        cfg = VocoderConfig.from_file(path / "config.json")
+        save_file(random_vocoder_tensors(cfg, torch.Generator().manual_seed(0)), str(path / "model.safetensors"))
+    return path
+
+
+def baseline_vocoder(root: Path):
+    """`Vocoder` of the checkout at `root`, imported as the package `kazeia_baseline`."""
+    spec = importlib.util.spec_from_file_location(
+        "kazeia_baseline", root / "kazeia" / "__init__.py", submodule_search_locations=[str(root / "kazeia")]
+    )
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no kazeia package in {root}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kazeia_baseline"] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module("kazeia_baseline.vocoder").Vocoder
+
+
+def decode(vocoder, codes: torch.Tensor, chunk: int) -> tuple[float, torch.Tensor]:
+    """Seconds to decode `codes` (frames, 16) in chunks of `chunk` frames on a fresh state, and the audio."""
+    state = vocoder.new_state()
+    start = time.perf_counter()
+    pieces = [vocoder.decode_chunk(codes[i : i + chunk], state) for i in range(0, len(codes), chunk)]
+    seconds = time.perf_counter() - start
+    return seconds, torch.cat(pieces).float()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", type=Path, help="another checkout's root, timed interleaved")
+    parser.add_argument("--chunks", default="1,4,32", help="frames per decode_chunk call")
+    parser.add_argument("--threads", default="1,2", help="torch thread counts")
+    parser.add_argument("--frames", type=int, default=64, help="frames decoded per measurement")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random vocoder: checks that the script runs")
+    args = parser.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    threads = [int(t) for t in args.threads.split(",")]
+    dtype = getattr(torch, args.dtype)
+
+    path = real_checkpoint("0.6B", "custom_voice", tiny=True) / "speech_tokenizer" if args.tiny else speech_tokenizer()
+    vocoders = {"this": Vocoder.load(path, dtype=dtype)}
+    if args.baseline:
+        vocoders["baseline"] = baseline_vocoder(args.baseline.resolve()).load(path, dtype=dtype)
+    codes = torch.randint(0, 2048, (args.frames, 16), generator=torch.Generator().manual_seed(1))
+    print(json.dumps({**machine(), "isa": cpu.describe(), "dtype": args.dtype, "frames": args.frames}))
+
+    times: dict[tuple[str, int, int], list[float]] = {}
+    audio: dict[tuple[str, int, int], torch.Tensor] = {}
+    names = list(vocoders)
+    for round_ in range(args.rounds):
+        for n_threads in threads:
+            torch.set_num_threads(n_threads)
+            for chunk in chunks:
+                order = names if round_ % 2 == 0 else names[::-1]
+                for name in order:
+                    seconds, out = decode(vocoders[name], codes, chunk)
+                    times.setdefault((name, n_threads, chunk), []).append(1000 * seconds / args.frames)
+                    audio.setdefault((name, n_threads, chunk), out)
+
+    print(f"\n{'threads':>7} {'chunk':>5}  " + "  ".join(f"{n + ' ms/f (median, best)':>34}" for n in names), end="")
+    print("  this/baseline (median, best)" if args.baseline else "")
+    for n_threads in threads:
+        for chunk in chunks:
+            cells, medians, bests = [], [], []
+            for name in names:
+                got = times[(name, n_threads, chunk)]
+                medians.append(statistics.median(got))
+                bests.append(min(got))
+                cells.append(f"{medians[-1]:26.1f} {bests[-1]:7.1f}")
+            line = f"{n_threads:7d} {chunk:5d}  " + "  ".join(cells)
+            if args.baseline:
+                line += f"  {medians[0] / medians[1]:13.3f} {bests[0] / bests[1]:7.3f}"
+            print(line)
+
+    ours = [audio[("this", t, c)] for t in threads for c in chunks]
+    same = all(torch.equal(ours[0], other) for other in ours[1:])
+    print(f"\nthis checkout: the same bits at every chunk size and thread count: {same}")
+    if args.baseline:
+        diff = (ours[0] - audio[("baseline", threads[0], chunks[0])]).abs().max().item()
+        print(f"largest difference from the baseline's audio: {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()
