@@ -44,6 +44,8 @@ SPEECH = {
     "response_format": "pcm",
 }
 SPEECH_S = 120  # bound of one request (a replica restarting may hold the first ones)
+METRICS_S = 90  # bound of the wait for Ray's metrics export to show a replica's figures
+METRICS_PORTS: list[int] = []  # the cluster's nodes' metrics endpoints
 
 
 def reference_wav() -> bytes:
@@ -65,12 +67,14 @@ def cluster():
     """A head and a second node (one CPU each) on the loopback; Ray Serve's proxy on a free port."""
     from ray.cluster_utils import Cluster
 
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    metrics = [free_port(), free_port()]  # each node's Prometheus endpoint (Ray's metrics export)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "metrics_export_port": metrics[0]})
     try:
-        nodes.add_node(num_cpus=1)
+        nodes.add_node(num_cpus=1, metrics_export_port=metrics[1])
         ray.init(address=nodes.address)
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
+        METRICS_PORTS[:] = metrics
         yield f"http://127.0.0.1:{port}"
     finally:
         try:
@@ -228,6 +232,27 @@ class TestTwoReplicas:
                 break
         assert len(refused) == 2
 
+    def test_each_replicas_figures_reach_rays_metrics_export(self, service):
+        replicas = set()
+        for _ in range(40):
+            r = speech(service)
+            assert r.status_code == 200
+            replicas.add(r.headers[HEADER])
+            if len(replicas) == 2:
+                break
+        assert len(replicas) == 2
+        ends = time.monotonic() + METRICS_S
+        while True:  # every replica's audio seconds, tagged with its id, on a node's endpoint
+            text = "".join(httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=30).text for p in METRICS_PORTS)
+            lines = [x for x in text.splitlines() if x.startswith("ray_kazeia_audio_seconds_total{")]
+            tagged = {replica for replica in replicas for x in lines if f'replica="{replica}"' in x}
+            if tagged == replicas or time.monotonic() > ends:
+                break
+            time.sleep(1)
+        assert tagged == replicas, lines
+        assert all(float(x.rsplit(" ", 1)[1]) > 0 for x in lines)
+        assert any(x.startswith("ray_kazeia_streams_behind{") for x in text.splitlines())
+
     def test_a_replica_killed_mid_stream(self, service, single):
         long = dict(response_format="pcm", ignore_eos=True, max_new_tokens=4096)  # ~16 MB: outlasts buffers
         short = dict(response_format="pcm", ignore_eos=True, max_new_tokens=40)
@@ -356,3 +381,29 @@ def test_replicas_that_cannot_load_say_why_and_the_command_fails(tmp_path):
     output = done.stdout + done.stderr
     assert f"cannot load {broken}: CheckpointError" in output and "generation_config.json" in output
     assert "kazeia: error: the replicas could not be deployed" in output
+
+
+def test_the_autoscaler_hears_streams_behind_real_time():
+    """Ray's rule (requests in flight over the target per replica), and one replica more while
+    any stream is behind real time; the options pass Ray Serve's own validation."""
+    from types import SimpleNamespace
+
+    from ray.serve.config import AutoscalingConfig
+
+    from kazeia.server.rayserve import Scale, engine_policy
+
+    options = Scale(2, 1, max_ongoing=6, target_ongoing=2, min_replicas=1, max_replicas=4).options()
+    config = AutoscalingConfig(**options["autoscaling_config"])
+    assert config.policy.get_policy() is not None
+
+    def wanted(requests: float, behind: dict, running: int = 2) -> float:
+        metrics = {"behind": behind, "streams": {}}
+        ctx = SimpleNamespace(current_num_replicas=running, target_num_replicas=running, total_num_requests=requests,
+                              config=config, aggregated_metrics=metrics)  # fmt: skip
+        return engine_policy(ctx)[0]
+
+    assert wanted(4, {"a": 0.0, "b": 0.0}) == 2  # two per replica: as many as now
+    assert wanted(2, {"a": 0.0, "b": 0.0}) == 1 and wanted(8, {}) == 4
+    assert wanted(2, {"a": 1.0, "b": 0.0}) == 3  # few requests, but one replica's listeners stall
+    assert wanted(8, {"a": 1.0}) == 4
+    assert wanted(0, {}, running=0) == 0

@@ -6,8 +6,8 @@ requests to the replicas, health-checks them, restarts a dead one and, with auto
 removes them. Every response names its replica in the `x-kazeia-replica` header. Saved voices are
 shared through the voices directory, which every node must see (server/store.py makes its writes
 atomic and its limits count the directory). Needs the `ray` extra; nothing else in the package
-imports this module. Non-goals: a second copy of any route, metrics aggregation (each replica
-keeps its own `/metrics`), the Wyoming server (one process).
+imports this module. The autoscaler, when asked for, also hears each replica's streams behind real
+time (`engine_policy`). Non-goals: a second copy of any route, the Wyoming server (one process).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import random
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,8 +80,24 @@ class Scale:
             "max_replicas": self.max_replicas,
             "initial_replicas": self.replicas,
             "target_ongoing_requests": self.target_ongoing,
+            "policy": {"policy_function": f"{__name__}:engine_policy"},
         }
         return {**options, "autoscaling_config": autoscaling}
+
+
+def engine_policy(ctx) -> tuple[float, dict]:
+    """Replicas wanted (Ray Serve's custom autoscaling policy; its bounds, delays and smoothing
+    still apply): Ray's own rule, requests in flight against `target_ongoing_requests` per replica,
+    and at least one more while any replica has a stream behind real time (`behind`, from the
+    replicas' `record_autoscaling_stats`): its listeners are stalling however few requests it holds."""
+    running = ctx.current_num_replicas
+    if running == 0:
+        return ctx.target_num_replicas, {}
+    wanted = ctx.total_num_requests / ctx.config.get_target_ongoing_requests()
+    behind = sum((ctx.aggregated_metrics or {}).get("behind", {}).values())
+    if behind > 0:
+        wanted = max(wanted, running + 1)
+    return wanted, {}
 
 
 class SpreadRouter(FIFOMixin, RequestRouter):
@@ -128,6 +145,60 @@ class ReplicaHeader:
         await self.app(scope, receive, tagged)
 
 
+class RayMetrics:
+    """A replica's own figures (server/metrics.py) mirrored into Ray's metrics API every `period`
+    seconds, so Ray's metrics export (each node's Prometheus endpoint) aggregates them over the
+    replicas, tagged with the replica's id; Ray Serve's own request and latency metrics sit
+    beside them."""
+
+    OUTCOMES = ("completed", "cancelled", "failed")
+
+    def __init__(self, state, replica: str, period: float = 5.0):
+        from ray.util import metrics
+
+        self.state, self.tags, self.period = state, {"replica": replica}, period
+        keys = ("replica",)
+        self.gauges = {
+            name: metrics.Gauge(f"kazeia_{name}", help, tag_keys=keys)
+            for name, help in (
+                ("streams_active", "Utterances admitted and not finished, per replica."),
+                ("queue_depth", "Utterances waiting for a serving thread, per replica."),
+                ("streams_behind", "Streams behind real time now (a 250 ms buffer would be dry), per replica."),
+            )
+        }
+        self.audio = metrics.Counter("kazeia_audio_seconds", "Seconds of audio generated.", tag_keys=keys)
+        self.behind = metrics.Counter("kazeia_streams_fell_behind", "Utterances that fell behind.", tag_keys=keys)
+        self.ended = metrics.Counter(
+            "kazeia_utterances", "Utterances that ended, by outcome.", tag_keys=("replica", "outcome")
+        )
+        self._sent: dict[str, float] = {}  # counters' values already added
+        threading.Thread(target=self._run, name="kazeia-ray-metrics", daemon=True).start()
+
+    def _add(self, counter, key: str, value: float, **tags: str) -> None:
+        delta = value - self._sent.get(key, 0.0)
+        if delta > 0:
+            counter.inc(delta, tags={**self.tags, **tags})
+            self._sent[key] = value
+
+    def publish(self) -> None:
+        worker, figures = self.state.worker, self.state.metrics
+        values = {"streams_active": worker.active, "queue_depth": worker.queue_depth, "streams_behind": worker.behind}
+        for name, value in values.items():
+            self.gauges[name].set(value, tags=self.tags)
+        self._add(self.audio, "audio", figures.audio_seconds.value())
+        self._add(self.behind, "behind", figures.fell_behind.value())
+        for outcome in self.OUTCOMES:
+            self._add(self.ended, outcome, figures.utterances.value(outcome=outcome), outcome=outcome)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.publish()
+            except Exception:  # a metrics hiccup must never stop the replica
+                log.exception("replica metrics not published")
+            time.sleep(self.period)
+
+
 class Replica:
     """One replica: the engine `load(args)` gives, served by `create_app(engine, config)`."""
 
@@ -150,8 +221,16 @@ class Replica:
         app = create_app(self.engine, self.config)
         app.add_middleware(ReplicaHeader, replica=self.replica)
         self.state = app.state.kazeia
+        self.metrics = RayMetrics(self.state, self.replica)
         log.info("replica %s ready: %s (process %d)", self.replica, self.config.model_name, os.getpid())
         return app
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's own load, for `engine_policy` (Ray reads it every few seconds): utterances
+        in flight and streams behind real time."""
+        if self.state is None:
+            return {}
+        return {"streams": float(self.state.worker.active), "behind": float(self.state.worker.behind)}
 
     def check_health(self) -> None:
         """Ray routes nothing to a replica whose check raises, and restarts it."""
