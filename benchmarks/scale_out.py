@@ -1,6 +1,7 @@
 """Scale-out on one machine: plain `kazeia serve` against `kazeia serve --replicas` on Ray Serve.
 
-    python benchmarks/scale_out.py CHECKPOINT [--clients 1,2,3,4] [--requests 3] [--frames 48] [--rounds 2]
+    python benchmarks/scale_out.py [--tiny | --model DIR] [--dtype int8] [--clients 1,2,3,4] [--requests 3]
+                                   [--frames 48] [--rounds 2]
 
 Three servers on the same checkpoint and cores: `plain` (one process, --threads T), `ray-1x{T}`
 (one replica of T threads behind Ray Serve's proxy) and `ray-{T}x1` (T replicas of one thread),
@@ -23,12 +24,13 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from common import machine
+from common import Checkpoints, add_checkpoint_options, machine
 
 TEXT = "Scaling out keeps every listener's first words quick, however many are talking at once."
 
@@ -124,13 +126,14 @@ def health_ms(url: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a CustomVoice checkpoint (e.g. kazeia random-checkpoint DIR --real-size)")
+    add_checkpoint_options(parser)
+    parser.add_argument("--dtype", default="int8", help="the precision every server runs")
     parser.add_argument("--clients", default="1,2,3,4")
     parser.add_argument("--requests", type=int, default=3, help="utterances per client at each client count")
     parser.add_argument("--frames", type=int, default=48, help="frames per utterance (80 ms each)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--voice", default="ryan")
-    parser.add_argument("--logs", default="scale-out-logs", help="directory for the servers' logs")
+    parser.add_argument("--logs", type=Path, help="directory for the servers' logs (default: a new temporary one)")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     servers = {
@@ -138,22 +141,25 @@ def main() -> None:
         f"ray-1x{cores}": (["--replicas", "1", "--threads", str(cores)], 1),
         f"ray-{cores}x1": (["--replicas", str(cores), "--threads", "1"], cores),
     }
-    logs = Path(args.logs)
-    logs.mkdir(exist_ok=True)
-    print(json.dumps({"machine": machine(), "checkpoint": args.checkpoint, "frames": args.frames}))
-    for round_ in range(args.rounds):
-        for name, (flags, replicas) in servers.items():
-            process, url = start(args.checkpoint, flags, replicas, logs / f"{name}-{round_}.log")
-            try:
-                with httpx.Client(timeout=600) as client:
-                    utterance(client, url, 4, 0, args.voice)  # warm-up
-                row = {"round": round_, "server": name, "health_p50_ms": round(health_ms(url), 2)}
-                for clients in (int(c) for c in args.clients.split(",")):
-                    figures = load(url, clients, args.requests, args.frames, args.voice)
-                    row[f"c{clients}"] = {k: round(v, 2) for k, v in figures.items()}
-                print(json.dumps(row), flush=True)
-            finally:
-                stop(process)
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="kazeia-scale-out-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    with Checkpoints(args) as checkpoints:
+        checkpoint = str(checkpoints.prepared(args.dtype))
+        print(json.dumps({"machine": machine(), "checkpoint": checkpoints.label, "dtype": args.dtype,
+                          "frames": args.frames, "logs": str(logs)}))  # fmt: skip
+        for round_ in range(args.rounds):
+            for name, (flags, replicas) in servers.items():
+                process, url = start(checkpoint, flags, replicas, logs / f"{name}-{round_}.log")
+                try:
+                    with httpx.Client(timeout=600) as client:
+                        utterance(client, url, 4, 0, args.voice)  # warm-up
+                    row = {"round": round_, "server": name, "health_p50_ms": round(health_ms(url), 2)}
+                    for clients in (int(c) for c in args.clients.split(",")):
+                        figures = load(url, clients, args.requests, args.frames, args.voice)
+                        row[f"c{clients}"] = {k: round(v, 2) for k, v in figures.items()}
+                    print(json.dumps(row), flush=True)
+                finally:
+                    stop(process)
 
 
 if __name__ == "__main__":
