@@ -86,3 +86,30 @@ def test_health_and_metrics_count_streams_behind_real_time(engines, monkeypatch,
                 pass
         assert client.get("/health").json()["behind"] == 0  # nothing in flight
         assert _metric(client, "kazeia_streams_fell_behind_total") == before + int(late)
+
+
+@pytest.mark.parametrize("refuse", [True, False])
+def test_a_server_told_to_refuses_new_streams_while_one_is_behind(engines, monkeypatch, refuse):
+    """--refuse-when-behind: 503 with Retry-After to a new utterance while a stream is behind, and
+    admitted again once none is; without it the new one is admitted (and queued)."""
+    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", max_batch=2, refuse_when_behind=refuse))
+    monkeypatch.setattr(worker_module, "time", _Clock(10.0))  # every stream is late
+    with TestClient(app) as client:
+        with HeldJobs(free=1) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
+            chunks = answer.iter_bytes()
+            next(chunks)
+            gate.wait_held()
+            assert client.get("/health").json()["behind"] == 1
+            if refuse:
+                refused = client.post("/v1/audio/speech", json=SPEECH)
+                assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+                assert "busy" in refused.json()["error"]["message"]
+                gate.release()
+            else:
+                with client.stream("POST", "/v1/audio/speech", json=SPEECH) as second:
+                    assert second.status_code == 200
+                    gate.release()
+                    assert b"".join(second.iter_bytes())
+            for _ in chunks:
+                pass
+        assert client.post("/v1/audio/speech", json=SPEECH).status_code == 200  # nothing behind now

@@ -127,6 +127,11 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
         ("--max-connections", server["max_connections"], int, "open connections at once; more are refused"),
         ("--max-voices", limits["max_voices"], int, "Base checkpoints: saved voices at most"),
     ]
+    p.add_argument(
+        "--refuse-when-behind",
+        action="store_true",
+        help="answer 503 with Retry-After to new utterances while a stream is behind real time",
+    )
     if websocket:
         flags.append(("--ws-idle-timeout", server["ws_idle_s"], float, "seconds an idle WebSocket stays open"))
     for flag, default, kind, help in flags:
@@ -227,6 +232,7 @@ def server_config(args, name: str | None, **only) -> ServerConfig:
         text_deadline=args.text_deadline,
         max_connections=args.max_connections,
         max_batch=args.max_batch,
+        refuse_when_behind=args.refuse_when_behind,
         **only,
     )
 

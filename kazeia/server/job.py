@@ -122,6 +122,7 @@ class Job:
         self.first_audio: float | None = None  # perf_counter() (None: no audio yet)
         self.audio_s = 0.0
         self.fell_behind = False  # a listener behind a PLAYOUT_S buffer would have run dry
+        self.made_all = False  # its audio is all out (its Outcome follows): never behind again
         self._room = threading.Condition()
         self._cancelled = threading.Event()
         # Held only to set the cancel flag and read the frame count, or to name the stream (never
@@ -146,7 +147,7 @@ class Job:
         """Seconds a listener who began playing at the first audio would now be waiting for more
         (<= 0: none). 0 for live text, whose audio waits for its client's text, and while the
         client holds more audio than it takes (the worker waits for room)."""
-        if self.first_audio is None or self.request.live is not None or self._full:
+        if self.first_audio is None or self.made_all or self.request.live is not None or self._full:
             return 0.0
         return now - self.first_audio - self.audio_s
 

@@ -12,24 +12,31 @@ starting or stopping a cluster (`serve run`, `serve deploy` and `serve shutdown`
 
 from __future__ import annotations
 
+import argparse
+
 from ..cli import _load, build_parser
 from . import guarded
 from .commands import serve_config
 from .rayserve import application, scale_from
 
-SWITCHES = ("allow_ignore_eos", "offline")  # flags that take no value
+
+def switches(parser: argparse.ArgumentParser) -> set[str]:
+    """The `serve` flags that take no value (`--offline`), by destination name."""
+    serve = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    return {a.dest for a in serve._actions if a.nargs == 0 and a.dest != "help"}
 
 
 def build(args: dict):
     """The Ray Serve application for `args` (flag name -> value, as `serve run` passes them)."""
-    argv = ["serve"]
+    parser, argv = build_parser(), ["serve"]
+    switched = switches(parser)
     for key, value in args.items():
         flag = "--" + str(key).replace("_", "-")
-        if key in SWITCHES:
+        if key in switched:
             argv += [flag] if str(value).strip().lower() in ("true", "1", "yes", "on") else []
         else:
             argv += [flag, str(value)]
-    parsed = build_parser().parse_args(argv)
+    parsed = parser.parse_args(argv)
     if parsed.replicas is None:
         parsed.replicas = 1
     config = guarded(serve_config(parsed), parsed.host)

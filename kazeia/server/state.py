@@ -41,6 +41,6 @@ def build_state(engine: Engine, config: ServerConfig) -> ServerState:
     metrics = ServerMetrics(
         queue_depth=lambda: worker.queue_depth, active=lambda: worker.active, behind=lambda: worker.behind
     )
-    worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch)
+    worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch, config.refuse_when_behind)
     uploads = asyncio.Semaphore(config.limits.max_uploads)
     return ServerState(engine, config, worker, metrics, available_formats(), voices, uploads)

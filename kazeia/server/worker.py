@@ -44,9 +44,10 @@ class Worker:
         schedule: ChunkSchedule,
         metrics: ServerMetrics,
         max_batch: int = 1,
+        refuse_when_behind: bool = False,
     ):
         self.engine, self.schedule, self.metrics = engine, schedule, metrics
-        self.max_batch = max_batch
+        self.max_batch, self.refuse_when_behind = max_batch, refuse_when_behind
         self.records: deque[JobRecord] = deque(maxlen=256)
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._current: set[Job] = set()
@@ -68,11 +69,15 @@ class Worker:
             thread.start()
 
     def check_room(self) -> None:
-        """Busy if a job submitted now would be refused (nothing is reserved: submit may still be)."""
-        if self._jobs.full():
+        """Busy if a job submitted now would be refused (nothing is reserved: submit may still be):
+        the queue is full, or (`refuse_when_behind`) a stream is behind real time, which one more
+        would only hold back further."""
+        if self._jobs.full() or (self.refuse_when_behind and self.behind):
             raise Busy(self.retry_after())
 
     def submit(self, job: Job) -> None:
+        if self.refuse_when_behind and self.behind:
+            raise Busy(self.retry_after())
         with self._lock:
             try:
                 self._jobs.put_nowait(job)
@@ -195,6 +200,7 @@ class Worker:
         self._end(job, outcome, frames=0 if stream is None else stream.frames_generated)
 
     def _end(self, job: Job, outcome: Outcome, frames: int) -> None:
+        job.made_all = True
         with self._lock:
             self._active -= 1
         wall = time.perf_counter() - job.arrived - outcome.queue_s
