@@ -157,10 +157,8 @@ class LiveText:
     def _check_tokens(self, limit: int) -> None:
         """Refuse the text once it is known to have more than `limit` tokens: those of every
         pre-token but the last (they stay whatever follows), or all of them once it has ended."""
-        encoding = self.tokenizer.encoding(self.text)
-        count = len(encoding.ids)
-        if not self.ended and count:
-            count -= encoding.word_ids.count(encoding.word_ids[-1])
+        tokenizer = self.tokenizer
+        count = len(tokenizer.text_ids(self.text) if self.ended else stable_ids(tokenizer, self.text))
         if count > limit:
             raise RequestError("text", f"text is {count} tokens long; at most {limit} are accepted")
 
@@ -248,17 +246,19 @@ class LiveParts:
             self.budgets.append(self.allowance.take(len(self.ids(len(self.budgets)))))
         if ended or (single and self.long_text.segment and text[:1].isspace()):
             return  # ended: every part final; one piece keeps leading whitespace, a split one not
-        ids = self._stable(certain if single else certain.lstrip())
+        ids = stable_ids(self.tokenizer, certain if single else certain.lstrip())
         if len(ids) > len(self.open):  # what was certain stays so
             self.open = ids
 
-    def _stable(self, text: str) -> list[int]:
-        """The ids of every pre-token of `text` but the last (which may still grow or merge)."""
-        encoding = self.tokenizer.encoding(text)
-        if not encoding.ids:
-            return []
-        last = encoding.word_ids[-1]
-        return [i for i, w in zip(encoding.ids, encoding.word_ids, strict=True) if w != last]
+
+def stable_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """The ids of every pre-token of `text` but the last (which may still grow or merge): those
+    that stay whatever follows."""
+    encoding = tokenizer.encoding(text)
+    if not encoding.ids:
+        return []
+    last = encoding.word_ids[-1]
+    return [i for i, w in zip(encoding.ids, encoding.word_ids, strict=True) if w != last]
 
 
 class LivePart:
