@@ -10,6 +10,10 @@ that this checkout's audio has the same bits at every chunk size and thread coun
 from the baseline's.
 
     python benchmarks/vocoder.py --baseline /tmp/base --chunks 1,4,32 --threads 1,2 --rounds 5
+    python benchmarks/vocoder.py --dtypes float32,bfloat16,int8 --chunks 4 --threads 1,2
+
+`--dtypes` times several precisions of this checkout interleaved the same way (int8: kazeia/conv.py's
+`Tiled8`); the ratio column is then each one's time over the first's.
 """
 
 from __future__ import annotations
@@ -63,6 +67,13 @@ def baseline_vocoder(root: Path):
     return importlib.import_module("kazeia_baseline.vocoder").Vocoder
 
 
+def load(cls, path: Path, dtype: str):
+    """`cls.load` for a `--dtypes` name (int8: float32 weights, int8 products)."""
+    if dtype == "int8":
+        return cls.load(path, dtype=torch.float32, int8=True)
+    return cls.load(path, dtype=getattr(torch, dtype))
+
+
 def decode(vocoder, codes: torch.Tensor, chunk: int) -> tuple[float, torch.Tensor]:
     """Seconds to decode `codes` (frames, 16) in chunks of `chunk` frames on a fresh state, and the audio."""
     state = vocoder.new_state()
@@ -79,19 +90,19 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="torch thread counts")
     parser.add_argument("--frames", type=int, default=64, help="frames decoded per measurement")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtypes", default="float32", help="float32, bfloat16, float16, int8; several: interleaved")
     parser.add_argument("--tiny", action="store_true", help="a tiny random vocoder: checks that the script runs")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
-    dtype = getattr(torch, args.dtype)
+    dtypes = args.dtypes.split(",")
 
     path = real_checkpoint("0.6B", "custom_voice", tiny=True) / "speech_tokenizer" if args.tiny else speech_tokenizer()
-    vocoders = {"this": Vocoder.load(path, dtype=dtype)}
+    vocoders = {("this" if len(dtypes) == 1 else d): load(Vocoder, path, d) for d in dtypes}
     if args.baseline:
-        vocoders["baseline"] = baseline_vocoder(args.baseline.resolve()).load(path, dtype=dtype)
+        vocoders["baseline"] = load(baseline_vocoder(args.baseline.resolve()), path, dtypes[0])
     codes = torch.randint(0, 2048, (args.frames, 16), generator=torch.Generator().manual_seed(1))
-    print(json.dumps({**machine(), "isa": cpu.describe(), "dtype": args.dtype, "frames": args.frames}))
+    print(json.dumps({**machine(), "isa": cpu.describe(), "dtypes": dtypes, "frames": args.frames}))
 
     times: dict[tuple[str, int, int], list[float]] = {}
     audio: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -107,7 +118,8 @@ def main() -> None:
                     audio.setdefault((name, n_threads, chunk), out)
 
     print(f"\n{'threads':>7} {'chunk':>5}  " + "  ".join(f"{n + ' ms/f (median, best)':>34}" for n in names), end="")
-    print("  this/baseline (median, best)" if args.baseline else "")
+    ratio = len(names) > 1
+    print(("  this/baseline (median)" if args.baseline else f"  each/{names[0]} (median)") if ratio else "")
     for n_threads in threads:
         for chunk in chunks:
             cells, medians, bests = [], [], []
@@ -117,16 +129,21 @@ def main() -> None:
                 bests.append(min(got))
                 cells.append(f"{medians[-1]:26.1f} {bests[-1]:7.1f}")
             line = f"{n_threads:7d} {chunk:5d}  " + "  ".join(cells)
-            if args.baseline:
-                line += f"  {medians[0] / medians[1]:13.3f} {bests[0] / bests[1]:7.3f}"
+            if ratio:  # each one's median time over the first's (with --baseline: this over the baseline's)
+                first = medians[1] if args.baseline else medians[0]
+                line += "  " + " ".join(f"{m / first:.3f}" for m in (medians[:1] if args.baseline else medians[1:]))
             print(line)
 
-    ours = [audio[("this", t, c)] for t in threads for c in chunks]
-    same = all(torch.equal(ours[0], other) for other in ours[1:])
-    print(f"\nthis checkout: the same bits at every chunk size and thread count: {same}")
+    for name in names:
+        if name == "baseline":
+            continue
+        ours = [audio[(name, t, c)] for t in threads for c in chunks]
+        same = all(torch.equal(ours[0], other) for other in ours[1:])
+        print(f"\n{name}: the same bits at every chunk size and thread count: {same}", end="")
+    print()
     if args.baseline:
-        diff = (ours[0] - audio[("baseline", threads[0], chunks[0])]).abs().max().item()
-        print(f"largest difference from the baseline's audio: {diff:.2e}")
+        diff = (audio[(names[0], threads[0], chunks[0])] - audio[("baseline", threads[0], chunks[0])]).abs().max()
+        print(f"largest difference from the baseline's audio: {diff.item():.2e}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Scope: `TimeMajorConv` (a causal convolution: the decoder's, the pre-conv, the c
 projection), `TimeMajorTransConv` (a transposed convolution in its polyphase form: the upsampling
 and the decoder blocks'), `Depthwise` (ConvNeXt's), each carrying the inputs the next chunk needs
 in a tail (a slot of `VocoderState.tails`, kazeia/vocoder.py); `SnakeBeta`, fused into the next
-conv's input; `Tiled` and `TiledLinear`, the native products. Tensors only.
+conv's input; `Tiled` and `TiledLinear`, the native products, and `Tiled8`, the int8 one. Tensors only.
 
 Two implementations, chosen once when the vocoder is loaded (`Vocoder.prepare`):
 
@@ -12,7 +12,9 @@ Two implementations, chosen once when the vocoder is loaded (`Vocoder.prepare`):
   value is the same sum in the same order whatever the call (its chunk, its number of positions,
   the thread count), so any split of a stream into chunks gives the same bits; the depthwise
   convolution and SnakeBeta are vocoder.c's, computed value by value. Activations are float32;
-  the weights hold the values of the vocoder's dtype.
+  the weights hold the values of the vocoder's dtype. An int8 vocoder's chosen convolutions are
+  conv8.c's `vconv8` instead (`Tiled8`): integer products, each input row quantized alone, so
+  chunking still never changes a bit.
 * eager (other devices, or no native library): PyTorch's convolutions, which choose their
   blocking by the call's shape, so chunkings agree to float rounding only.
 
@@ -86,6 +88,48 @@ class Tiled(nn.Module):
         return self.n, self.taps, self.cin
 
 
+class Tiled8(nn.Module):
+    """A convolution as conv8.c's `vconv8`: int8 weights (a scale per output channel), each input
+    row quantized to int8 alone (a scale per time step), exact integer sums, float32 out.
+
+    weight (N, taps, C_in), bias (N,) or None: quantized and packed once here. An input row's codes
+    depend on that row only and the float steps after the sums are one fixed sequence, so every
+    output value has the same bits whatever the positions, batch or threads of a call, and on every
+    kernel (AVX-512 VNNI, AVX2, portable C; kazeia/native/conv8.c).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int = 1):
+        super().__init__()
+        self.lib, self.dilation = lib, dilation
+        self.n, self.taps, self.cin = weight.shape
+        rows = weight.detach().float().contiguous()
+        packed = torch.empty(lib.vconv8_packed_bytes(self.n, self.taps, self.cin), dtype=torch.uint8)
+        lib.vconv8_pack(rows.data_ptr(), self.n, self.taps, self.cin, packed.data_ptr())
+        self.register_buffer("weight", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, keep + L, C_in) float32 -> (B, L, N), + res (B, L, N) when given."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if res is not None and res.stride(-1) != 1:
+            res = res.contiguous()
+        B, rows, _ = x.shape
+        L = rows - (self.taps - 1) * self.dilation
+        if L < 0:
+            raise ValueError(f"vconv8 refused a ({B}, {rows}, {self.cin}) input: fewer rows than the taps carry")
+        y = x.new_empty(B, L, self.n)
+        res_strides = (0, 0) if res is None else (res.stride(0), res.stride(1))
+        failed = self.lib.vconv8(x.data_ptr(), x.stride(0), x.stride(1), self.weight.data_ptr(), address(self.bias),
+                                 address(res), *res_strides, y.data_ptr(), y.stride(0), y.stride(1), B, L, self.cin,
+                                 self.n, self.taps, self.dilation, torch.get_num_threads())  # fmt: skip
+        if failed == -2:
+            raise MemoryError("vconv8: out of memory")
+        if failed:
+            raise ValueError(f"vconv8 refused a ({B}, {rows}, {self.cin}) input for {(self.n, self.taps, self.cin)}")
+        return y
+
+
 class TiledLinear(nn.Module):
     """A Linear's product as a 1-tap `Tiled`: x (..., in) -> (..., out), float32."""
 
@@ -140,7 +184,7 @@ class TimeMajorConv(CausalConv):
 
     def __init__(self, cin: int, cout: int, kernel: int, dilation: int = 1):
         super().__init__(cin, cout, kernel, dilation)
-        self.native: Tiled | None = None
+        self.native: Tiled | Tiled8 | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -167,10 +211,14 @@ class TimeMajorConv(CausalConv):
             self.conv.weight = nn.Parameter(stored, requires_grad=False)
 
     @torch.no_grad()
-    def use_native(self, lib: ctypes.CDLL, half: bool = False, keep_weight: bool = False) -> None:
-        """Run as `Tiled` (`half`: see there) from now on; conv.weight is dropped unless `keep_weight`."""
+    def use_native(self, lib: ctypes.CDLL, half: bool = False, keep_weight: bool = False, int8: bool = False) -> None:
+        """Run as `Tiled` (`half`: see there), or `Tiled8` where `int8`, from now on; conv.weight is
+        dropped unless `keep_weight`."""
         weight = self.conv.weight.permute(0, 2, 1)  # (C_out, k, C_in)
-        self.native = Tiled(lib, weight, self.conv.bias, self.conv.dilation[0], half)
+        if int8:
+            self.native = Tiled8(lib, weight, self.conv.bias, self.conv.dilation[0])
+        else:
+            self.native = Tiled(lib, weight, self.conv.bias, self.conv.dilation[0], half)
         if not keep_weight:
             self.conv.weight = None
 

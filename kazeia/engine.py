@@ -74,7 +74,10 @@ class Engine:
             loads in; kazeia/prepared.py), else float32.
         vocoder_dtype: the speech-tokenizer decoder; float32 by default for exact audio. "bfloat16"
             is faster on CPUs with bfloat16 dot products, at a lower SNR against float32
-            (BENCHMARKS.md); elsewhere half precision is slower.
+            (BENCHMARKS.md); elsewhere half precision is slower. "int8" (the CPU with the native
+            library): most residual convolutions as int8 products (kazeia/conv.py's `Tiled8`), the
+            same bits whatever the chunking, at an SNR against float32 like bfloat16's
+            (docs/design.md).
         tokenizer_regex: "qwen2" (standard) or "reference-local" (the split regex the reference
             package uses when it loads from a local directory; see kazeia/text.py).
         threads: torch threads for each of the two stages that run side by side, generation and

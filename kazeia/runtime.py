@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu
+from . import cpu, native
 from .checkpoint import DTYPES, release_freed_memory, resolve
 from .config import ModelConfig
 from .frame import FrameStep, voiced_cache
@@ -75,16 +75,21 @@ class Runtime:
         set_stage_threads(threads, torch_device)
         if dtype is not None:
             _dtype("dtype", dtype)  # a bad name fails before any download
-        vocoder_weights = _dtype("vocoder_dtype", vocoder_dtype)
+        int8_vocoder = vocoder_dtype == "int8"  # float32 weights, int8 products (Vocoder.prepare)
+        vocoder_weights = torch.float32 if int8_vocoder else _dtype("vocoder_dtype", vocoder_dtype)
         if not isinstance(vocoder_weights, torch.dtype):
-            raise ValueError(f"vocoder_dtype {vocoder_dtype!r} is not supported; choose float32, bfloat16 or float16")
+            raise ValueError(
+                f"vocoder_dtype {vocoder_dtype!r} is not supported; choose float32, bfloat16, float16 or int8"
+            )
+        if int8_vocoder and (torch_device.type != "cpu" or native.library() is None):
+            raise ValueError("vocoder_dtype 'int8' needs the CPU with the native library (kazeia/native)")
         files = resolve(path_or_id, offline=offline)
         weights = _dtype("dtype", dtype or prepared_dtype(files["model.safetensors"]) or "float32")
         cfg = ModelConfig.from_file(files["config.json"])
         defaults = SamplingOptions.from_file(files["generation_config.json"])
         tokenizer = TextTokenizer.from_dir(files.root, regex=tokenizer_regex)
         model = TTSModel.load(cfg, files["model.safetensors"], torch_device, weights)
-        vocoder = Vocoder.load(files["speech_tokenizer"], device=torch_device, dtype=vocoder_weights)
+        vocoder = Vocoder.load(files["speech_tokenizer"], device=torch_device, dtype=vocoder_weights, int8=int8_vocoder)
         release_freed_memory()
         cloner = Cloner.load(files.root, cfg, torch_device) if cfg.tts_model_type == "base" else None
         return cls.build(cfg, model, vocoder, tokenizer, defaults, torch_device, cloner)

@@ -190,8 +190,10 @@ class Vocoder(nn.Module):
         speech_tokenizer_dir: str | os.PathLike,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        int8: bool = False,
     ) -> Vocoder:
-        """Build from `speech_tokenizer/config.json` on the meta device and load `model.safetensors` strictly."""
+        """Build from `speech_tokenizer/config.json` on the meta device and load `model.safetensors` strictly.
+        `int8` (float32 `dtype`, the CPU with kazeia/native): most convolutions as int8 products (`prepare`)."""
         root = Path(speech_tokenizer_dir)
         cfg = VocoderConfig.from_file(root / "config.json")
         with torch.device("meta"):
@@ -205,17 +207,23 @@ class Vocoder(nn.Module):
         del released
         assign(vocoder, tensors, where=str(path), device=device, dtype=dtype)
         del tensors  # the modules hold the only references: each weight replaced below is freed at once
-        vocoder.prepare(device, dtype)
+        vocoder.prepare(device, dtype, int8)
         return vocoder.eval()
 
-    def prepare(self, device: torch.device | str, dtype: torch.dtype) -> None:
+    def prepare(self, device: torch.device | str, dtype: torch.dtype, int8: bool = False) -> None:
         """The implementation, chosen once, here. On the CPU with kazeia/native: every layer native
         (`_use_native`), the same bits for any chunking. Otherwise eager PyTorch: convolution weights
         stored (C_out, k, C_in), the order its convs read, and on the CPU where oneDNN packs matmul
-        weights, the transformer's and ConvNeXt's linears packed as the talker's."""
+        weights, the transformer's and ConvNeXt's linears packed as the talker's. `int8`: the residual
+        units' convolutions of the decoder blocks after the first (~65 % of a frame's multiply-adds)
+        become `Tiled8` products; the earlier layers stay float32, as their errors grow the most on
+        the way to the audio (docs/design.md). Needs the native library and a float32 `dtype`."""
         lib = native.library() if torch.device(device).type == "cpu" else None
+        if int8 and (lib is None or dtype != torch.float32):
+            where = "a float32 dtype" if lib is not None else "the CPU with the native library (kazeia/native)"
+            raise ValueError(f"an int8 vocoder needs {where}")
         if lib is not None:
-            self._use_native(lib, dtype)
+            self._use_native(lib, dtype, int8)
             return
         for module in self.modules():
             if isinstance(module, TimeMajorConv):
@@ -225,19 +233,22 @@ class Vocoder(nn.Module):
             pack_linears(self)
 
     @torch.no_grad()
-    def _use_native(self, lib, dtype: torch.dtype) -> None:
+    def _use_native(self, lib, dtype: torch.dtype, int8: bool = False) -> None:
         """Every product a `Tiled` one (conv.c), every other layer vocoder.c's or decode.c's, with
         float32 activations: the parameters are widened (a bfloat16 or float16 vocoder keeps its
         weights' values, rounded to that dtype; a bfloat16 one's products take bfloat16 pairs where
         the CPU has them), each packed weight replaces the original (the pre-conv's stays: its
         device and dtype stand for the vocoder's)."""
         half = dtype == torch.bfloat16
+        later_blocks = self.decoder[2:-2] if int8 else []  # decoder blocks after the first
+        units = [m for block in later_blocks for m in block.modules() if isinstance(m, ResidualUnit)]
+        integer = {id(conv) for unit in units for conv in (unit.conv1, unit.conv2)}
         self.float()
         fuse_projections(self.pre_transformer)
         replace_linears(self, lambda linear: TiledLinear(lib, linear, half))
         for module in list(self.modules()):
             if isinstance(module, TimeMajorConv):
-                module.use_native(lib, half, keep_weight=module is self.pre_conv)
+                module.use_native(lib, half, keep_weight=module is self.pre_conv, int8=id(module) in integer)
             elif isinstance(module, (TimeMajorTransConv, Codebooks)):
                 module.use_native(lib, half)
             elif isinstance(module, Depthwise):

@@ -51,7 +51,8 @@ SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "speed.py": [*TINY, "--speeds", "1.5", "--clips", "en", "--frames", "4"],
     "first_audio.py": [*TINY, "--dtypes", "int4,int8", "--runs", "2"],
     "gemv.py": ["--tiny", "--dtypes", ",".join(PRECISIONS)],
-    "vocoder.py": ["--tiny", "--frames", "4", "--rounds", "1", "--chunks", "1,3", "--threads", "1,2"],
+    "vocoder.py": ["--tiny", "--frames", "4", "--rounds", "1", "--chunks", "1,3", "--threads", "1,2", "--dtypes",
+                   "float32,int8"],
     "scale_out.py": [*TINY, "--clients", "1", "--requests", "1", "--frames", "2", "--rounds", "1"],
     "qualify.py": [*TINY, "--dtype", "int8", "--levels", "1,2", "--requests", "1", "--frames", "3", "--port",
                    str(free_port())],
@@ -137,6 +138,9 @@ def test_quality(runs):
         line = next((line for line in out.splitlines() if line.split()[:1] == [config]), None)
         assert line is not None and len(line.split()) == 7, (config, out[-3000:])
     assert "int8 / bfloat16 relative error" in out and "int4 / Q4_K_M relative error" in out
+    for vocoder in ("bfloat16", "float16", "int8"):  # the vocoder alone against float32: SNR, log-mel distance
+        line = next((line for line in out.splitlines() if line.split()[:2] == ["vocoder", vocoder]), None)
+        assert line is not None and len(numbers(line.split()[2:])) == 2, (vocoder, out[-3000:])
 
 
 def test_load(runs):
@@ -192,8 +196,9 @@ def test_vocoder(runs):
     out = ran(runs["vocoder.py"].result())
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert [row[:2] for row in rows] == [["1", "1"], ["1", "3"], ["2", "1"], ["2", "3"]], out
-    assert all(len(numbers(row)) == 4 for row in rows), out
-    assert "the same bits at every chunk size and thread count: True" in out, out
+    assert all(len(numbers(row)) >= 4 for row in rows), out  # ms/f per dtype (and ratios with several)
+    for dtype in ("float32", "int8"):
+        assert f"{dtype}: the same bits at every chunk size and thread count: True" in out, out
 
 
 def test_qualify(runs):

@@ -111,6 +111,7 @@ ISA_SENSITIVE = [
     "test_quality.py",
     "test_vocoder.py",
     "test_vocoder_chunks.py",
+    "test_vocoder_int8.py",
     "test_parity.py",
     "test_engine.py",
     "test_streaming.py",

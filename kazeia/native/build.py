@@ -2,7 +2,8 @@
 
 Sources: the decoding step's glue between products (`decode.c`), a whole step in one call
 (`stack.c`, kazeia/native/step.py), the float GEMV (`gemv.c`), the int8 (`int8.c`) and int4
-(`int4.c`) products, and the vocoder's SnakeBeta (`vocoder.c`, kazeia/conv.py). The system C
+(`int4.c`) products, the vocoder's products (`conv.c`, and `conv8.c` for an int8 vocoder) and its
+SnakeBeta (`vocoder.c`, kazeia/conv.py). The system C
 compiler builds them into one library, once per version of the sources, flags, compiler, CPU and
 set of enabled CPU features (kazeia/cpu.py), in `~/.cache/kazeia/native` (or `$KAZEIA_CACHE/native`),
 a directory only this user may change; the file is checked again as it is loaded. Where no compiler
@@ -32,7 +33,7 @@ from .. import cpu
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("decode.c", "vocoder.c", "conv.c", "gemv.c", "int4.c", "int8.c", "stack.c")
+    for name in ("decode.c", "vocoder.c", "conv.c", "conv8.c", "gemv.c", "int4.c", "int8.c", "stack.c")
 )
 # included by the sources: part of the build key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("dtypes.h", "jobs.h", "int4_tiles.h"))
@@ -207,6 +208,10 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "vconv_packed_bytes": ([_LONG, _LONG, _INT], _LONG),
     "vconv_pairs": ([_LONG], _INT),
     "vconv_lanes": ([], _INT),
+    "vconv8": ([_P, _LONG, _LONG, *[_P] * 3, _LONG, _LONG, _P, *[_LONG] * 6, *[_INT] * 3], _INT),
+    "vconv8_pack": ([_P, _LONG, _INT, _LONG, _P], None),
+    "vconv8_packed_bytes": ([_LONG, _INT, _LONG], _LONG),
+    "vconv8_kernel": ([], _INT),
     "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
     "gemv_bf16_dot": ([], _INT),
