@@ -90,17 +90,76 @@ void vconv8_pack(const float *w, long n, int taps, long cin, void *packed) {
     }
 }
 
-/* One row of cin values -> its codes (kp bytes, zeros past cin) and its scale. */
+/* One row of cin values -> its codes (kp bytes, zeros past cin) and its scale. The vector paths
+   give lrintf's codes: the same product x * inv, rounded to nearest even (the default rounding
+   mode of vcvtps2dq), a NaN to INT_MIN and so to -127; the maximum ignores NaNs as the scalar
+   comparison does (vmaxps returns its second operand, the running maximum, when one is NaN). */
 static float quantize_row(const float *x, long cin, long kp, int8_t *q) {
+    long c = 0;
     float most = 0.0f;
-    for (long c = 0; c < cin; c++) most = fabsf(x[c]) > most ? fabsf(x[c]) : most;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512 top = _mm512_setzero_ps();
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    for (; c + 16 <= cin; c += 16) top = _mm512_max_ps(_mm512_andnot_ps(sign, _mm512_loadu_ps(x + c)), top);
+    for (long i = c; i < cin; i++) most = fabsf(x[i]) > most ? fabsf(x[i]) : most;
+    float lanes[16];
+    _mm512_storeu_ps(lanes, top);
+    for (int i = 0; i < 16; i++) most = lanes[i] > most ? lanes[i] : most;
     const float inv = most > 0.0f ? 127.0f / most : 0.0f;
-    for (long c = 0; c < cin; c++) {
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+    for (c = 0; c + 16 <= cin; c += 16) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), vinv));
+        v = _mm512_max_epi32(_mm512_min_epi32(v, hi), lo);
+        _mm_storeu_si128((__m128i *)(q + c), _mm512_cvtepi32_epi8(v));
+    }
+#elif defined(__AVX2__)
+    __m256 top = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; c + 8 <= cin; c += 8) top = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + c)), top);
+    for (long i = c; i < cin; i++) most = fabsf(x[i]) > most ? fabsf(x[i]) : most;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) most = lanes[i] > most ? lanes[i] : most;
+    const float inv = most > 0.0f ? 127.0f / most : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    for (c = 0; c + 8 <= cin; c += 8) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + c), vinv));
+        v = _mm256_max_epi32(_mm256_min_epi32(v, hi), lo);
+        const __m256i w = _mm256_packs_epi32(v, v);                  /* 16-bit, per 128-bit lane */
+        const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), /* lanes 0-3, then 4-7 */
+                                          _mm256_extracti128_si256(w, 1));
+        int32_t four[2] = {_mm_cvtsi128_si32(b), _mm_extract_epi32(b, 2)};
+        memcpy(q + c, four, 8);
+    }
+#else
+    for (long i = 0; i < cin; i++) most = fabsf(x[i]) > most ? fabsf(x[i]) : most;
+    const float inv = most > 0.0f ? 127.0f / most : 0.0f;
+#endif
+    for (; c < cin; c++) {
         long v = lrintf(x[c] * inv);
         q[c] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
     }
     memset(q + cin, 0, (size_t)(kp - cin));
     return most / 127.0f;
+}
+
+/* Rows [first, last) of the input quantized (one job of several). */
+struct q8_rows {
+    const float *x;
+    int8_t *qx;
+    float *sx;
+    long x_batch, ldx, rows, cin, kp, first, last;
+};
+
+static void *q8_rows_run(void *arg) {
+    const struct q8_rows *j = arg;
+    for (long i = j->first; i < j->last; i++) {
+        const long b = i / j->rows, r = i % j->rows;
+        j->sx[i] = quantize_row(j->x + b * j->x_batch + r * j->ldx, j->cin, j->kp, j->qx + i * j->kp);
+    }
+    return NULL;
 }
 
 struct q8_args {
@@ -239,8 +298,16 @@ int vconv8(const float *x, long x_batch, long ldx, const void *w, const float *b
         free(sx);
         return -2;
     }
-    for (long b = 0; b < batch; b++)
-        for (long r = 0; r < rows; r++) sx[b * rows + r] = quantize_row(x + b * x_batch + r * ldx, cin, kp, qx + (b * rows + r) * kp);
+    { /* the rows quantized on up to `threads` threads: each row alone, so the split changes nothing */
+        const long all = batch * rows;
+        int parts = (int)(all * cin / (1 << 15));
+        parts = parts > threads ? threads : parts;
+        parts = parts > MAX_JOBS ? MAX_JOBS : parts < 1 ? 1 : parts;
+        struct q8_rows quant[MAX_JOBS];
+        for (int i = 0; i < parts; i++)
+            quant[i] = (struct q8_rows){x, qx, sx, x_batch, ldx, rows, cin, kp, all * i / parts, all * (i + 1) / parts};
+        run_jobs(q8_rows_run, quant, sizeof quant[0], parts);
+    }
     const int8_t *qw = w;
     const int32_t *offset = (const int32_t *)(qw + np * taps * kp);
     struct q8_args a = {qx,    sx,     qw,     offset, (const float *)(offset + np * taps), bias, res, y, rows, kp, n,
