@@ -3,7 +3,8 @@
 A listener starts playing at an utterance's first audio and keeps a 250 ms buffer (PLAYOUT_S, the
 qualification's standard); the stream is behind when its audio made so far is over 250 ms short of
 the time since. The worker's clock is replaced by one the test drives, so no figure depends on how
-fast this machine is.
+fast this machine is. A real uvicorn serves the app (LiveServer): a stream held at the gate must
+reach its client before it ends, which the TestClient of older Starlette releases does not do.
 """
 
 import asyncio
@@ -14,14 +15,15 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("fastapi")
-from fastapi.testclient import TestClient
-from server_support import HeldJobs
+import httpx
+from server_support import HeldJobs, LiveServer
 
 from kazeia.audio import SAMPLE_RATE
 from kazeia.server import ServerConfig, create_app
 from kazeia.server import worker as worker_module
 from kazeia.server.job import PLAYOUT_S, Job
 
+HOLD_S = 120  # bound of one request's wait (a held stream's body waits for the gate, not for this)
 SPEECH = {"input": "Pace.", "voice": "serena", "response_format": "pcm", "max_new_tokens": 12, "ignore_eos": True}
 
 
@@ -72,7 +74,7 @@ def _metric(client, name: str) -> float:
 def test_health_and_metrics_count_streams_behind_real_time(engines, monkeypatch, step, late):
     app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom"))
     monkeypatch.setattr(worker_module, "time", _Clock(step))
-    with TestClient(app) as client:
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=HOLD_S) as client:
         before = _metric(client, "kazeia_streams_fell_behind_total")
         with HeldJobs(free=1) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
             chunks = answer.iter_bytes()
@@ -94,7 +96,7 @@ def test_a_server_told_to_refuses_new_streams_while_one_is_behind(engines, monke
     admitted again once none is; without it the new one is admitted (and queued)."""
     app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", max_batch=2, refuse_when_behind=refuse))
     monkeypatch.setattr(worker_module, "time", _Clock(10.0))  # every stream is late
-    with TestClient(app) as client:
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=HOLD_S) as client:
         with HeldJobs(free=1) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
             chunks = answer.iter_bytes()
             next(chunks)
