@@ -5,10 +5,11 @@ rebuilt as d * s * q - e * n: s (uint8) and n (int8) are its group's step and of
 (float32) its row's factors. That is 4.5 bits a weight (0.5625 bytes, against 1 for int8 and 2 for
 bfloat16); batch-1 generation reads every weight once a position, so its time follows those bytes
 (docs/design.md). The products run in kazeia/native/int4.c: activations are rounded to int8 per
-block of 128 on the fly and the codes multiplied in integers, one conversion to float per block;
-the offsets meet the exact float32 activations (the layout and arithmetic are described there).
-Summation per row is fixed, so a row's result does not depend on how many rows it is multiplied
-with.
+block of 128 on the fly and the codes multiplied in integers, one conversion to float per block
+(per two blocks with VNNI); the offsets meet the exact float32 activations (the layout and
+arithmetic are described there). Several rows (a prompt's, a batched step's) are multiplied in
+tiles, each weight unit unpacked once for up to 8 rows. Summation per row is fixed, so a row's
+result does not depend on how many rows it is multiplied with, nor on the thread count.
 
 Quantization (`quantize_weight`): for every group, a search over steps around its min-max range
 (the step widened and narrowed about (max - min) / 15, as GGML's k-quants do), each giving codes

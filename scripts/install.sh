@@ -30,7 +30,7 @@ if [ "${1:-}" = "--test" ]; then
       fi
     fi
   fi
-  .venv/bin/python -m pip install --quiet -e '.[test]'
+  .venv/bin/python -m pip install --quiet -e '.[test,ray]'  # ray: tests/test_ray.py
   .venv/bin/python -m pip install --quiet --no-deps qwen-tts==0.1.1
 else
   .venv/bin/python -m pip install --quiet -e .

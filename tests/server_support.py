@@ -20,7 +20,7 @@ import numpy as np
 
 from kazeia.audio import pcm16
 from kazeia.live import TextFeed
-from kazeia.server.worker import Job
+from kazeia.server.job import Job
 
 FRAME_BYTES = 1920 * 2  # one 80 ms frame of 16-bit PCM
 HEADER_BYTES = 44

@@ -49,10 +49,12 @@ SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "streaming.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2"],
     "burst.py": [*TINY, "--dtypes", ",".join(CONFIGS), "--frames", "2", "--rounds", "1", "--streams", "2"],
     "speed.py": [*TINY, "--speeds", "1.5", "--clips", "en", "--frames", "4"],
+    "first_audio.py": [*TINY, "--dtypes", "int4,int8", "--runs", "2"],
     "gemv.py": ["--tiny", "--dtypes", ",".join(PRECISIONS)],
     "vocoder.py": ["--tiny", "--frames", "4", "--rounds", "1", "--chunks", "1,3", "--threads", "1,2", "--dtypes",
                    "float32,int8"],
     "conv8.py": ["--tiny", "--rounds", "1", "--threads", "1,2"],
+    "scale_out.py": [*TINY, "--clients", "1", "--requests", "1", "--frames", "2", "--rounds", "1"],
     "qualify.py": [*TINY, "--dtype", "int8", "--levels", "1,2", "--requests", "1", "--frames", "3", "--port",
                    str(free_port())],
 }  # fmt: skip
@@ -181,6 +183,16 @@ def test_speed(runs):
     assert "ms per frame (1 thread)" in out and "speed 1.5:" in out
 
 
+def test_first_audio(runs):
+    out = ran(runs["first_audio.py"].result())
+    p50 = out.split("p50 of 2 runs (ms)")[1].splitlines()
+    assert p50[1].split() == ["request", "setup", "prompt", "voice", "prefill", "codebook0", "predictor", "handoff",
+                              "vocoder", "out", "total"], out  # fmt: skip
+    for config in ("int4", "int8"):
+        row = next((line.split() for line in p50 if line.split()[:1] == [config]), None)
+        assert row is not None and len(numbers(row[1:])) == 11 and float(row[-1]) > 0, (config, out[-3000:])
+
+
 def test_vocoder(runs):
     out = ran(runs["vocoder.py"].result())
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
@@ -204,6 +216,16 @@ def test_qualify(runs):
     levels = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert [(row[0], row[1], row[2]) for row in levels] == [("1", "1", "0"), ("2", "2", "0")], out
     assert "C_max = " in out and "int8" in out, out
+
+
+def test_scale_out(runs):
+    """Plain `kazeia serve`, one replica of every core and one replica per core on Ray Serve, each
+    serving a client (the proxy's figures need a quiet machine: BENCHMARKS.md)."""
+    pytest.importorskip("ray")
+    rows = [json.loads(line) for line in ran(runs["scale_out.py"].result()).splitlines() if '"server"' in line]
+    cores = os.cpu_count() or 1
+    assert [row["server"] for row in rows] == ["plain", f"ray-1x{cores}", f"ray-{cores}x1"]
+    assert all(row["c1"]["audio_s_per_s"] > 0 and row["health_p50_ms"] > 0 for row in rows), rows
 
 
 def test_soak(runs):

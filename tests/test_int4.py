@@ -83,6 +83,26 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     assert torch.equal(linear(x[2:4]), together[2:4])
 
 
+@pytest.mark.parametrize("cols", [1024, 192, 384, 3072])
+def test_rows_in_tiles_are_each_rows_one_row_bits(cols):
+    """Every row count goes through tiles of up to 8 activation rows (4 with AVX2 and in plain C)
+    per unpacked weight unit; one row is a tile of one. Every row count from 1 to 17 (full tiles
+    and every remainder), in blocks of 128 (an even and an odd number of them: VNNI takes them in
+    pairs) and of 64 columns, gives each row the bits of its product alone, so that a prompt's rows
+    are those of any batching and streamed == offline."""
+    gen = torch.Generator().manual_seed(cols)
+    linear = Int4Linear.from_float(torch.randn(37, cols, generator=gen) * 0.05, torch.randn(37, generator=gen), LIB)
+    x = torch.randn(17, cols, generator=gen) * 2
+    x[3, : cols // 2] = 0.0  # a row with zero blocks
+    x[5, 64:128] *= 1000.0  # one with a block far larger than the others
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(17)])
+    for m in range(1, 18):
+        assert torch.equal(linear(x[:m]), alone[:m]), m
+    assert torch.equal(linear(x.flip(0)), alone.flip(0))
+    ref = int4.reference_product(x, linear.stored, linear.bias)
+    assert float((alone.double() - ref).abs().max()) < 2e-6 * float(ref.abs().max())
+
+
 @pytest.mark.parametrize("threads, outputs", [(2, 200), (3, 200), (500, 200), (12, 7)])
 def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads, outputs):
     """A product of many rows (a prompt's) in a `cpu.team` splits its weight rows over the team's

@@ -247,7 +247,7 @@ def test_a_client_that_takes_a_chunk_now_and_then_is_cancelled():
     worker's waits for room are bounded in all by stall_s + the audio generated so far."""
     import asyncio
 
-    from kazeia.server.worker import Job
+    from kazeia.server.job import Job
 
     loop = asyncio.new_event_loop()
     try:

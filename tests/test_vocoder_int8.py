@@ -67,6 +67,7 @@ def reference(x, weight, bias, res, dilation):
         (1, 64, 192, 40, 1, 1, False),
         (3, 5, 7, 130, 2, 1, True),
         (2, 151, 64, 70, 7, 2, True),  # big enough for 3 threads: their positions split within and across entries
+        (2, 300, 256, 40, 3, 2, True),  # enough rows for their quantization to be split over threads
     ],
 )
 def test_vconv8_equals_its_definition_bit_for_bit(batch, length, cin, n, taps, dilation, extras):

@@ -36,7 +36,7 @@ SOURCES = tuple(
     for name in ("decode.c", "vocoder.c", "conv.c", "conv8.c", "gemv.c", "int4.c", "int8.c", "stack.c")
 )
 # included by the sources: part of the build key
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("conv8.h", "dtypes.h", "jobs.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("conv8.h", "dtypes.h", "jobs.h", "int4_tiles.h"))
 # -ffp-contract=off: no fused multiply-adds where the eager code rounds the product first. The
 # target flags come from the enabled CPU features (`cpu.compiler_flags`: -march=native by default).
 FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")

@@ -19,13 +19,17 @@
    at most 4 groups), so a block costs one conversion to float; the offsets meet the exact
    activations, so only the q . x part sees the 8-bit rounding.
 
-   Summation, for a given build: blocks in column order into vector lanes, the lanes in a fixed
-   tree, then the offsets (vector lanes over the groups, then a tree) and the bias. A row's result
-   depends only on that row and the weights: never on m or the other rows (batching relies on it). The
-   instructions: AVX-512 BW with VNNI (vpdpwssd), AVX-512 BW, AVX2 (vpmaddubsw, vpmaddwd), or plain
-   C, chosen by the build's target flags (kazeia/cpu.py); all compute the same integers (no pair
-   sum saturates). One thread for a decoding step's product, on the generation thread (engine.py);
-   a prompt's may split its weight rows over more (int4_gemm, `cpu.team`). */
+   Summation, for a given build: blocks in column order into vector lanes (with VNNI, two blocks
+   share a vector: tile512), the lanes in a fixed tree, then the offsets (vector lanes over the
+   groups, then a tree) and the bias. The work: one weight row against a tile of up to TILE
+   activation rows, each unit's codes unpacked and steps widened once for the tile; a row's
+   instructions are the same whatever the tile's size or place, so its result depends only on
+   that row and the weights, never on m, the other rows or the thread count (batching, prompts and
+   streamed == offline rely on it). The instructions: AVX-512 BW with VNNI (vpdpbusd, vpdpwssd),
+   AVX-512 BW, AVX2 (vpmaddubsw, vpmaddwd), or plain C, chosen by the build's target flags
+   (kazeia/cpu.py); all compute exact integers (no pair sum saturates), and all but VNNI the same
+   float sums. One thread for a decoding step's product, on the generation thread (engine.py); a
+   prompt's may split its weight rows over more (int4_gemm, `cpu.team`). */
 
 #include <math.h>
 #include <stdint.h>
@@ -60,7 +64,7 @@ int int4_kernel(void) {
 static long int4_block(long cols) { return cols % 128 == 0 ? 128 : UNIT; }
 
 /* Where the kernel wants the activation code of column c (the codes are laid out to match the
-   weight bytes, see row_dots): within each unit of 64 columns, the first half-groups (columns
+   weight bytes, see unpack512): within each unit of 64 columns, the first half-groups (columns
    0-15 and 32-47), then the second ones (16-31, 48-63); AVX-512 takes two units at a time in
    blocks of 128: both units' first half-groups, then both second ones. */
 static inline long act_pos(long c, long block) {
@@ -78,50 +82,74 @@ static inline long act_pos(long c, long block) {
     return unit + ((j >> 4) & 1) * 32 + (j >> 5) * 16 + (j & 15);
 }
 
+/* The largest |v[j]| of a block; a NaN is passed over (it poisons the row's sums instead). */
+static float block_amax(const float *v, long block) {
+    float amax = 0.0f;
+    long j = 0;
+#if defined(__AVX512F__)
+    __m512 top = _mm512_setzero_ps();
+    for (; j + 16 <= block; j += 16) top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(v + j)), top); /* NaN: top */
+    amax = _mm512_reduce_max_ps(top);
+#endif
+    for (; j < block; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+    return amax;
+}
+
+/* A block's codes round(v * inverse) (to nearest even; 0 for a NaN, as lrintf's cast gives), at
+   their act_pos places: 16 columns from a multiple of 16 stay side by side there. */
+static void block_codes(const float *v, long block, float inverse, int8_t *p, long first) {
+    long j = 0;
+#if defined(__AVX512F__)
+    const __m512 scale = _mm512_set1_ps(inverse);
+    for (; j < block; j += 16) {
+        __m512 x = _mm512_loadu_ps(v + j);
+        x = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), x);
+        __m128i q = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, scale)));
+        _mm_storeu_si128((__m128i *)(p + act_pos(first + j, block)), q);
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 scale = _mm256_set1_ps(inverse);
+    for (; j < block; j += 16) {
+        __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + 8);
+        a = _mm256_and_ps(a, _mm256_cmp_ps(a, a, _CMP_ORD_Q));
+        b = _mm256_and_ps(b, _mm256_cmp_ps(b, b, _CMP_ORD_Q));
+        __m256i halves = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(a, scale)),
+                                            _mm256_cvtps_epi32(_mm256_mul_ps(b, scale))); /* a0-3 b0-3 a4-7 b4-7 */
+        halves = _mm256_permute4x64_epi64(halves, 0xd8);
+        __m128i q = _mm_packs_epi16(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+        _mm_storeu_si128((__m128i *)(p + act_pos(first + j, block)), q);
+    }
+#endif
+    for (; j < block; j++) p[act_pos(first + j, block)] = (int8_t)lrintf(v[j] * inverse);
+}
+
+/* Floats of a row's block steps: each step twice (block b at 2b and 2b + 1), the blocks padded to
+   an even count with zeros, so that two blocks' steps are one 16-byte load (pair512). */
+static long t_stride(long blocks) { return 2 * (blocks + (blocks & 1)); }
+
 /* Round one activation row to int8 per block: codes p (in the kernel's order, act_pos), steps t
-   (per block), exact sums (per group). */
+   (t_stride), exact sums (per group). */
 static void int4_quantize_row(const float *x, long cols, int8_t *p, float *t, float *sums) {
-    long block = int4_block(cols);
+    long block = int4_block(cols), blocks = cols / block;
+    memset(t, 0, sizeof(float) * (size_t)t_stride(blocks));
     for (long g = 0; g < cols / GROUP; g++) {
         float s = 0.0f;
         for (int j = 0; j < GROUP; j++) s += x[g * GROUP + j];
         sums[g] = s;
     }
     for (long b = 0; b < cols / block; b++) {
-        const float *v = x + b * block;
-        float amax = 0.0f;
-        for (long j = 0; j < block; j++) amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+        float amax = block_amax(x + b * block, block);
         if (!(amax > 0.0f) || !isfinite(amax)) { /* zero, or not finite: the sums poison y */
-            t[b] = 0.0f;
             memset(p + b * block, 0, (size_t)block);
             continue;
         }
-        float inverse = 127.0f / amax;
-        t[b] = amax / 127.0f;
-        for (long j = 0; j < block; j++) p[act_pos(b * block + j, block)] = (int8_t)lrintf(v[j] * inverse);
+        t[2 * b] = t[2 * b + 1] = amax / 127.0f;
+        block_codes(x + b * block, block, 127.0f / amax, p, b * block);
     }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The integer sum of unit u (groups 2u, 2u+1) against activation codes x (act_pos order), times
-   the groups' steps (gs, uint8), as 8 int32 lanes. Each group is 16 bytes
-   (byte k: code k low, code 16 + k high), so the low nibbles of a unit are its two groups' first
-   halves and the high nibbles their second halves, one group per 128-bit lane. */
-static inline __m256i unit256(const uint8_t *w, const int8_t *x, const uint8_t *gs, long u) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    __m256i raw = _mm256_loadu_si256((const __m256i *)(w + u * 32));
-    if (u & 1) _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0); /* once a line */
-    __m256i first = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), _mm256_loadu_si256((const __m256i *)(x + u * UNIT)));
-    __m256i second = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
-                                          _mm256_loadu_si256((const __m256i *)(x + u * UNIT + 32)));
-    uint16_t two;
-    memcpy(&two, gs + 2 * u, sizeof two);
-    /* each step widened to int16 across its group's lane (-1: a zero byte) */
-    __m256i steps = _mm256_shuffle_epi8(_mm256_set1_epi16((short)two),
-                                        _mm256_set_epi8(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
-                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
-    return _mm256_madd_epi16(_mm256_add_epi16(first, second), steps); /* pair sums <= 2 * 3810 */
-}
+/* A fixed tree: halves, then quarters, ... */
 static inline float sum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -129,130 +157,6 @@ static inline float sum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* Units u and u + 1 at once (a block of 128 has 2), as unit256: one group per 128-bit lane. */
-static inline __m512i units512(const uint8_t *w, const int8_t *x, const uint8_t *gs, long u) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512i raw = _mm512_loadu_si512((const void *)(w + u * 32));
-    _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
-    __m512i first = _mm512_maddubs_epi16(_mm512_and_si512(raw, low), _mm512_loadu_si512((const void *)(x + u * UNIT)));
-    __m512i second = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
-                                          _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT)));
-    int32_t four;
-    memcpy(&four, gs + 2 * u, sizeof four);
-    /* 128-bit lane l: step l widened to int16 (-1: a zero byte) */
-    __m512i steps = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_cvtsi32_si128(four)),
-                                        _mm512_set_epi8(-1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3,
-                                                        -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2,
-                                                        -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
-                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
-#if defined(__AVX512VNNI__)
-    return _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_add_epi16(first, second), steps);
-#else
-    return _mm512_madd_epi16(_mm512_add_epi16(first, second), steps);
-#endif
-}
-#endif
-
-/* One weight row (codes w, group steps gs) against one or two activation rows (codes p0, p1 and block
-   steps t0, t1): the sum over blocks of t * (the block's integer sum), per activation row. */
-static void row_dots(const uint8_t *w, const uint8_t *gs, const int8_t *p0, const int8_t *p1, const float *t0,
-                     const float *t1, long cols, long block, float out[2]) {
-    const long per_block = block / UNIT, blocks = cols / block;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if (per_block % 2 == 0) {
-        __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
-        for (long b = 0, u = 0; b < blocks; b++) {
-            __m512i i0 = _mm512_setzero_si512(), j0 = _mm512_setzero_si512();
-            __m512i i1 = _mm512_setzero_si512(), j1 = _mm512_setzero_si512();
-            long k = 0;
-            for (; k + 4 <= per_block; k += 4, u += 4) { /* two chains of exact integer sums */
-                i0 = _mm512_add_epi32(i0, units512(w, p0, gs, u));
-                j0 = _mm512_add_epi32(j0, units512(w, p0, gs, u + 2));
-                if (p1) {
-                    i1 = _mm512_add_epi32(i1, units512(w, p1, gs, u));
-                    j1 = _mm512_add_epi32(j1, units512(w, p1, gs, u + 2));
-                }
-            }
-            for (; k < per_block; k += 2, u += 2) {
-                i0 = _mm512_add_epi32(i0, units512(w, p0, gs, u));
-                if (p1) i1 = _mm512_add_epi32(i1, units512(w, p1, gs, u));
-            }
-            f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, j0)), _mm512_set1_ps(t0[b]), f0);
-            if (p1) f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i1, j1)), _mm512_set1_ps(t1[b]), f1);
-        }
-        out[0] = _mm512_reduce_add_ps(f0);
-        out[1] = p1 ? _mm512_reduce_add_ps(f1) : 0.0f;
-        return;
-    }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
-    for (long b = 0, u = 0; b < blocks; b++) {
-        __m256i i0 = _mm256_setzero_si256(), j0 = _mm256_setzero_si256();
-        __m256i i1 = _mm256_setzero_si256(), j1 = _mm256_setzero_si256();
-        long k = 0;
-        for (; k + 2 <= per_block; k += 2, u += 2) { /* two chains of exact integer sums */
-            i0 = _mm256_add_epi32(i0, unit256(w, p0, gs, u));
-            j0 = _mm256_add_epi32(j0, unit256(w, p0, gs, u + 1));
-            if (p1) {
-                i1 = _mm256_add_epi32(i1, unit256(w, p1, gs, u));
-                j1 = _mm256_add_epi32(j1, unit256(w, p1, gs, u + 1));
-            }
-        }
-        if (k < per_block) {
-            i0 = _mm256_add_epi32(i0, unit256(w, p0, gs, u));
-            if (p1) i1 = _mm256_add_epi32(i1, unit256(w, p1, gs, u));
-            u++;
-        }
-        f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i0, j0)), _mm256_set1_ps(t0[b]), f0);
-        if (p1) f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(i1, j1)), _mm256_set1_ps(t1[b]), f1);
-    }
-    out[0] = sum256(f0);
-    out[1] = p1 ? sum256(f1) : 0.0f;
-#else
-    for (int i = 0; i < 2; i++) {
-        const int8_t *p = i ? p1 : p0;
-        const float *t = i ? t1 : t0;
-        float sum = 0.0f;
-        for (long b = 0, g = 0; p && b < blocks; b++) {
-            int32_t acc = 0;
-            for (long k = 0; k < per_block * (UNIT / GROUP); k++, g++) {
-                int32_t dot = 0;
-                for (int j = 0; j < 16; j++) {
-                    uint8_t byte = w[g * 16 + j];
-                    dot += (int32_t)(byte & 0x0f) * p[g * GROUP + j] + (int32_t)(byte >> 4) * p[g * GROUP + 16 + j];
-                }
-                acc += dot * gs[g];
-            }
-            sum += (float)acc * t[b];
-        }
-        out[i] = sum;
-    }
-#endif
-}
-
-/* The offsets' term of one row: sum over groups of n[g] * sums[g], in vector lanes over the
-   groups in order (16 or 8 lanes; one lane in plain C), then a fixed tree. */
-static float offsets_dot(const int8_t *n, const float *sums, long groups) {
-    long g = 0;
-    float total = 0.0f;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_setzero_ps();
-    for (; g + 16 <= groups; g += 16)
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(n + g)))),
-                              _mm512_loadu_ps(sums + g), acc);
-    total = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 acc = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8)
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(n + g)))),
-                              _mm256_loadu_ps(sums + g), acc);
-    total = sum256(acc);
-#endif
-    for (; g < groups; g++) total += (float)n[g] * sums[g];
-    return total;
-}
 
 /* One thread's share of a product: weight rows [first, last) against the m quantized rows. */
 struct int4_job {
@@ -263,22 +167,87 @@ struct int4_job {
     long rows, cols, m, first, last;
 };
 
+#include "int4_tiles.h" /* the kernels: one weight row against a tile of activation rows */
+
+/* The offsets' term of n activation rows (sums: stride groups): sum over groups of n8[g] * sums[g],
+   in vector lanes over the groups in order (16 or 8 lanes; one lane in plain C), then a fixed tree;
+   each group's offsets widened once for the tile. */
+INLINE void offsets_tile(const int8_t *n8, const float *sums, long groups, const int n, float *out) {
+    long g = 0;
+#if defined(__AVX512F__)
+    __m512 acc[TILE];
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+    for (; g + 16 <= groups; g += 16) {
+        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(n8 + g))));
+        for (int i = 0; i < n; i++) acc[i] = _mm512_fmadd_ps(v, _mm512_loadu_ps(sums + i * groups + g), acc[i]);
+    }
+    for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[TILE];
+    for (int i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(n8 + g))));
+        for (int i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(sums + i * groups + g), acc[i]);
+    }
+    for (int i = 0; i < n; i++) out[i] = sum256(acc[i]);
+#else
+    for (int i = 0; i < n; i++) out[i] = 0.0f;
+#endif
+    for (int i = 0; i < n; i++)
+        for (long h = g; h < groups; h++) out[i] += (float)n8[h] * sums[i * groups + h];
+}
+
+/* One weight row r against activation rows [i, i + n) of a job, n <= TILE (a constant in each
+   expansion, so that the tile's vectors stay in registers). */
+INLINE void tile_rows(const struct int4_job *j, long r, long i, const int n) {
+    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
+    const uint8_t *w = j->qw + r * (cols / 2), *steps = j->gs + r * groups;
+    const int8_t *p = j->p + i * cols;
+    const long ts = t_stride(blocks);
+    const float *t = j->t + i * ts;
+    float dots[TILE], offsets[TILE];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (block % 128 == 0)
+        tile512(w, steps, p, t, ts, cols, n, dots);
+    else
+        tile256(w, steps, p, t, ts, cols, block, n, dots);
+#elif defined(__AVX2__) && defined(__FMA__)
+    tile256(w, steps, p, t, ts, cols, block, n, dots);
+#else
+    tile_c(w, steps, p, t, ts, cols, block, n, dots);
+#endif
+    offsets_tile(j->gn + r * groups, j->sums + i * groups, groups, n, offsets);
+    float d = j->rf[2 * r], e = j->rf[2 * r + 1], b = j->bias ? j->bias[r] : 0.0f;
+    for (int k = 0; k < n; k++) j->y[(i + k) * j->rows + r] = d * dots[k] - e * offsets[k] + b;
+}
+
+/* Weight rows [r0, r1) against activation rows [i, i + n), n <= TILE. */
+static void tile_block(const struct int4_job *j, long r0, long r1, long i, long n) {
+    for (long r = r0; r < r1; r++) {
+        switch (n) {
+        case 1: tile_rows(j, r, i, 1); break;
+        case 2: tile_rows(j, r, i, 2); break;
+        case 3: tile_rows(j, r, i, 3); break;
+#if TILE > 4
+        case 4: tile_rows(j, r, i, 4); break;
+        case 5: tile_rows(j, r, i, 5); break;
+        case 6: tile_rows(j, r, i, 6); break;
+        case 7: tile_rows(j, r, i, 7); break;
+#endif
+        default: tile_rows(j, r, i, TILE); break;
+        }
+    }
+}
+
+/* Weight rows per pass over the activation tiles: their codes and a tile's activation codes stay
+   in the first-level cache while the tile is multiplied with each of them. */
+enum { ROW_BLOCK = 8 };
+
 static void *int4_job_run(void *arg) {
     const struct int4_job *j = arg;
-    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
-    for (long r = j->first; r < j->last; r++) {
-        const uint8_t *steps = j->gs + r * groups;
-        const int8_t *offsets = j->gn + r * groups;
-        float d = j->rf[2 * r], e = j->rf[2 * r + 1], b = j->bias ? j->bias[r] : 0.0f;
-        for (long i = 0; i < j->m; i += 2) {
-            int two = j->m - i >= 2;
-            float dots[2];
-            row_dots(j->qw + r * (cols / 2), steps, j->p + i * cols, two ? j->p + (i + 1) * cols : NULL,
-                     j->t + i * blocks, two ? j->t + (i + 1) * blocks : NULL, cols, block, dots);
-            for (long k = 0; k <= two; k++)
-                j->y[(i + k) * j->rows + r] =
-                    d * dots[k] - e * offsets_dot(offsets, j->sums + (i + k) * groups, groups) + b;
-        }
+    for (long r0 = j->first; r0 < j->last; r0 += ROW_BLOCK) {
+        long r1 = r0 + ROW_BLOCK < j->last ? r0 + ROW_BLOCK : j->last;
+        for (long i = 0; i < j->m; i += TILE) tile_block(j, r0, r1, i, j->m - i < TILE ? j->m - i : TILE);
     }
     return NULL;
 }
@@ -296,14 +265,15 @@ int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
     long groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
     /* per activation row: codes, block steps, group sums; per weight row: steps, offsets */
     int8_t *p = malloc((size_t)(m * cols));
-    float *t = malloc(sizeof(float) * (size_t)(m * (blocks + groups)));
+    long ts = t_stride(blocks);
+    float *t = malloc(sizeof(float) * (size_t)(m * (ts + groups)));
     if (!p || !t) {
         free(p);
         free(t);
         return -2;
     }
-    float *sums = t + m * blocks;
-    for (long i = 0; i < m; i++) int4_quantize_row(x + i * cols, cols, p + i * cols, t + i * blocks, sums + i * groups);
+    float *sums = t + m * ts;
+    for (long i = 0; i < m; i++) int4_quantize_row(x + i * cols, cols, p + i * cols, t + i * ts, sums + i * groups);
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > rows) threads = (int)rows;
     if (threads < 1) threads = 1;

@@ -30,19 +30,14 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `engine` until interrupted (the `kazeia serve` command); logs one line per utterance.
-    On a loopback address, requests must name a loopback Host (unless `config.allowed_hosts` says
-    otherwise); elsewhere without an API key, a warning says that anyone who can reach it may use it."""
+def guarded(config: ServerConfig, host: str) -> ServerConfig:
+    """`config` as served on `host`: on a loopback address, requests must name a loopback Host
+    (unless `config.allowed_hosts` says otherwise); elsewhere without an API key, a warning says
+    that anyone who can reach it may use it. Both `serve` and the replicas on Ray apply it."""
     import dataclasses
     import logging
 
-    import uvicorn
-
-    from .app import create_app
-    from .guard import RedactKeys, loopback_hosts
-    from .protocols import bounded_protocols
-    from .wire import filter_logs
+    from .guard import loopback_hosts
 
     if config.allowed_hosts is None:
         config = dataclasses.replace(config, allowed_hosts=loopback_hosts(host))
@@ -53,6 +48,22 @@ def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 800
             "pass --api-key or set KAZEIA_API_KEY",
             host,
         )
+    return config
+
+
+def serve(engine, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `engine` until interrupted (the `kazeia serve` command); logs one line per utterance.
+    The Host names and key are `guarded`'s."""
+    import logging
+
+    import uvicorn
+
+    from .app import create_app
+    from .guard import RedactKeys
+    from .protocols import bounded_protocols
+    from .wire import filter_logs
+
+    config = guarded(config, host)
     app = create_app(engine, config)
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=log_level.upper())
     http, ws = bounded_protocols(config.limits.client_stall_s)  # silent and stalled clients dropped

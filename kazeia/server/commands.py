@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -63,6 +64,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="let requests set ignore_eos (frames past the end of speech, for benchmarks); refused otherwise",
     )
     _server_args(p, websocket=True)
+    ray = p.add_argument_group("scale-out on Ray Serve (the ray extra; docs/scale-out.md)")
+    ray.add_argument("--replicas", type=int, help="serve this many replicas of the app behind Ray Serve's proxy")
+    ray.add_argument(
+        "--ray-address", help="join the Ray cluster at this address (default: start a local one, stopped on exit)"
+    )
+    ray.add_argument("--min-replicas", type=int, help="autoscale between --min-replicas and --max-replicas")
+    ray.add_argument("--max-replicas", type=int, help="(the autoscaler aims at --max-batch requests per replica)")
 
 
 def add_wyoming_args(p: argparse.ArgumentParser, option_flags: Callable) -> None:
@@ -119,6 +127,11 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
         ("--max-connections", server["max_connections"], int, "open connections at once; more are refused"),
         ("--max-voices", limits["max_voices"], int, "Base checkpoints: saved voices at most"),
     ]
+    p.add_argument(
+        "--refuse-when-behind",
+        action="store_true",
+        help="answer 503 with Retry-After to new utterances while a stream is behind real time",
+    )
     if websocket:
         flags.append(("--ws-idle-timeout", server["ws_idle_s"], float, "seconds an idle WebSocket stays open"))
     for flag, default, kind, help in flags:
@@ -219,6 +232,7 @@ def server_config(args, name: str | None, **only) -> ServerConfig:
         text_deadline=args.text_deadline,
         max_connections=args.max_connections,
         max_batch=args.max_batch,
+        refuse_when_behind=args.refuse_when_behind,
         **only,
     )
 
@@ -232,7 +246,27 @@ def serve(args, load: Callable) -> int:
         )
     except ImportError as e:
         return missing_extra("serve", "server", e)
-    config = server_config(  # checked before the model loads
+    config = serve_config(args)  # checked before the model loads
+    if args.replicas is None:
+        ray_only = [f for f in ("ray_address", "min_replicas", "max_replicas") if getattr(args, f) is not None]
+        if ray_only:
+            raise ValueError(f"--{ray_only[0].replace('_', '-')} needs --replicas N (serving on Ray)")
+        serve(load(args), config, host=args.host, port=args.port, log_level=args.log_level)
+        return 0
+    try:
+        from . import rayserve
+    except ImportError as e:
+        return missing_extra("serve --replicas", "ray", e)
+    from . import guarded
+
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s", level=args.log_level.upper())
+    rayserve.run(load, args, guarded(config, args.host))
+    return 0
+
+
+def serve_config(args) -> ServerConfig:
+    """`kazeia serve`'s settings, from its flags."""
+    return server_config(
         args,
         args.served_model_name,
         model_aliases=(*defaults(ServerConfig)["model_aliases"], *args.model_alias),
@@ -240,8 +274,6 @@ def serve(args, load: Callable) -> int:
         api_key=args.api_key or None,
         ws_idle_s=args.ws_idle_timeout,
     )
-    serve(load(args), config, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
 def wyoming(args, load: Callable, options: SynthesisOptions) -> int:

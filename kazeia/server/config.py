@@ -123,6 +123,11 @@ class ServerConfig:
     # 4: with several clients on 2 cores their first audio comes seconds sooner and ~1.5x the audio
     # is spoken in all; a lone client loses nothing measurable (docs/server.md, BENCHMARKS.md).
     max_batch: int = 4
+    # Refuse a new utterance (503 + Retry-After) while a stream is behind real time (its listener
+    # behind a 250 ms buffer would be waiting): the listeners already served keep their pace, at
+    # the price of refusals a client must retry. Off by default: a refusal is an error to a client
+    # that does not retry.
+    refuse_when_behind: bool = False
 
     @property
     def schedule(self) -> ChunkSchedule:

@@ -32,7 +32,13 @@ async def demo() -> HTMLResponse:
 async def health(request: Request) -> dict:
     s = server_state(request)
     worker = s.worker
-    return {"status": "ok", "model": s.config.model_name, "active": worker.active, "queue_depth": worker.queue_depth}
+    return {
+        "status": "ok",
+        "model": s.config.model_name,
+        "active": worker.active,  # admitted and not finished
+        "queue_depth": worker.queue_depth,  # waiting for a serving thread
+        "behind": worker.behind,  # streams behind real time now (a 250 ms playout buffer would be dry)
+    }
 
 
 @router.get("/metrics")

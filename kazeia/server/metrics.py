@@ -98,7 +98,7 @@ class Histogram:
 class ServerMetrics:
     """Everything `GET /metrics` reports; `queue_depth` and `active` are read at scrape time."""
 
-    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int]):
+    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int], behind: Callable[[], int]):
         self.requests = Counter("kazeia_requests_total", "Speech requests received (WebSocket: texts).", ("route",))
         self.errors = Counter(
             "kazeia_request_errors_total", "Requests refused or failed, by HTTP status.", ("route", "status")
@@ -107,6 +107,10 @@ class ServerMetrics:
             "kazeia_utterances_total", "Utterances that ended, by outcome.", ("outcome",)
         )  # completed | cancelled | failed
         self.audio_seconds = Counter("kazeia_audio_seconds_total", "Seconds of audio generated.")
+        self.fell_behind = Counter(
+            "kazeia_streams_fell_behind_total",
+            "Utterances whose audio came later than a listener behind a 250 ms buffer plays it (once each).",
+        )
         self.ttfb = Histogram(
             "kazeia_ttfb_seconds",
             "Request arrival to first audio, queue wait included.",
@@ -128,9 +132,10 @@ class ServerMetrics:
         self._gauges = (
             Gauge("kazeia_streams_active", "Utterances admitted and not finished (waiting or generating).", active),
             Gauge("kazeia_queue_depth", "Utterances waiting for the worker.", queue_depth),
+            Gauge("kazeia_streams_behind", "Utterances behind real time now (a 250 ms buffer would be dry).", behind),
         )
 
     def render(self) -> str:
-        parts = (self.requests, self.errors, self.utterances, self.audio_seconds, *self._gauges, self.ttfb, self.rtf,
-                 self.queue_wait, self.batch_size)  # fmt: skip
+        parts = (self.requests, self.errors, self.utterances, self.audio_seconds, self.fell_behind,
+                 *self._gauges, self.ttfb, self.rtf, self.queue_wait, self.batch_size)  # fmt: skip
         return "\n".join(line for part in parts for line in part.render()) + "\n"

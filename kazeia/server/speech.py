@@ -24,11 +24,12 @@ from fastapi.responses import Response, StreamingResponse
 
 from .bodies import json_object, read_body, require_json
 from .errors import ApiError
+from .job import Busy, Job, Outcome, segment_fields
 from .metrics import ServerMetrics
 from .params import speech_body
 from .state import server_state
 from .wire import dumps
-from .worker import Busy, Job, Outcome, Worker, segment_fields
+from .worker import Worker
 
 ROUTE = "/v1/audio/speech"
 router = APIRouter()

@@ -38,7 +38,9 @@ def build_state(engine: Engine, config: ServerConfig) -> ServerState:
     checkpoint speaks with the voices saved in `config.voices_dir` (created if missing; a ValueError
     if it cannot be); other checkpoints never touch that directory."""
     voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
-    metrics = ServerMetrics(queue_depth=lambda: worker.queue_depth, active=lambda: worker.active)
-    worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch)
+    metrics = ServerMetrics(
+        queue_depth=lambda: worker.queue_depth, active=lambda: worker.active, behind=lambda: worker.behind
+    )
+    worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch, config.refuse_when_behind)
     uploads = asyncio.Semaphore(config.limits.max_uploads)
     return ServerState(engine, config, worker, metrics, available_formats(), voices, uploads)

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -150,7 +151,7 @@ class VoiceStore:
 
     def create(self, name: str, audio: bytes, ref_text: str | None, x_vector_only: bool) -> dict:
         """Clone and save a voice (blocking: run it in `self.encoder`, one at a time); 409 if the
-        name is taken."""
+        name is taken, by this process or any other sharing the directory."""
         with self._lock:
             if name in self._creating or self.path(name).exists():
                 raise _exists(name)
@@ -159,25 +160,44 @@ class VoiceStore:
         try:
             with self._encoding:
                 voice = self._clone(audio, ref_text, x_vector_only)
-            with self._lock:
-                if self.path(name).exists():  # put there by hand meanwhile
-                    raise _exists(name)
-                try:
-                    voice.save(self.path(name))
-                except ValueError as e:
-                    log.error("cannot save voice %r: %s", name, e)
-                    raise ApiError(500, f"the voice {name!r} could not be saved (see the server log)") from None
+            self._publish(name, voice)
             log.info("voice %r created (%s, %d reference frames)", name, voice.mode, voice.ref_frames)
             return self.entry(name, voice)
         finally:
             with self._lock:
                 self._creating.discard(name)
 
-    def _check_room(self) -> None:
-        """Saved voices are bounded in number and in bytes on disk (Limits.max_voices[_bytes])."""
-        files = [p for p in self.directory.glob(f"*{SUFFIX}") if p.is_file()]
-        size = sum(p.stat().st_size for p in files)
-        if len(files) + len(self._creating) >= self.limits.max_voices or size >= self.limits.max_voices_bytes:
+    def _publish(self, name: str, voice: Voice) -> None:
+        """Write the voice whole under a private name, then give it its name with a hard link, which
+        fails if the name exists: of processes creating one name at once, exactly one succeeds. The
+        count is checked again once it is there; a voice over the limits is taken back (409)."""
+        part = self.directory / f".{name}.{uuid.uuid4().hex}.part"  # never listed (no SUFFIX)
+        try:
+            try:
+                voice.save(part)
+                os.link(part, self.path(name))
+            except FileExistsError:
+                raise _exists(name) from None
+            except (OSError, ValueError) as e:
+                log.error("cannot save voice %r: %s", name, e)
+                raise ApiError(500, f"the voice {name!r} could not be saved (see the server log)") from None
+        finally:
+            part.unlink(missing_ok=True)
+        try:
+            self._check_room(new=name)
+        except ApiError:
+            self.path(name).unlink(missing_ok=True)
+            raise
+
+    def _check_room(self, new: str | None = None) -> None:
+        """Saved voices are bounded in number and in bytes on disk (Limits.max_voices[_bytes]), counted
+        from the directory, so that every process sharing it keeps one bound. `new`: a voice just
+        given its name, checked again against the others (two processes may have passed at once)."""
+        skip = self.path(new) if new else None
+        files = [p for p in self.directory.glob(f"*{SUFFIX}") if p.is_file() and p != skip]
+        size = sum(_size(p) for p in files)
+        pending = 0 if new else len(self._creating)
+        if len(files) + pending >= self.limits.max_voices or size >= self.limits.max_voices_bytes:
             most, mib = self.limits.max_voices, self.limits.max_voices_bytes >> 20
             raise ApiError(
                 409,
@@ -213,6 +233,13 @@ class VoiceStore:
                 raise ApiError(404, f"unknown voice {name!r}; {self.describe(name)}", code="voice_not_found") from None
             self._cache.pop(name, None)
         log.info("voice %r deleted", name)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # deleted by another process meanwhile
+        return 0
 
 
 def _exists(name: str) -> ApiError:

@@ -43,10 +43,10 @@ from ..request import Request
 from .bodies import json_object, refuse_unknown
 from .errors import ApiError
 from .formats import AudioEncoder
+from .job import Busy, Job, Outcome, segment_fields
 from .params import check_length, prepare, session_options
 from .state import ServerState, server_state
 from .wire import dumps
-from .worker import Busy, Job, Outcome, segment_fields
 
 ROUTE = "/v1/audio/speech/stream"
 router = APIRouter()

@@ -1,15 +1,11 @@
 """The worker: it owns the engine and speaks the queued utterances, FIFO, `max_batch` at a time.
 
-Validated engine requests become `Job`s on a bounded queue; a full queue is refused at once (`Busy`, a 503 with
-Retry-After) rather than letting waits grow without bound. The worker runs `Engine.stream_request` for
-each job (a whole text, or a `TextFeed` whose text is still arriving), encodes each chunk and hands the
-bytes to the job's asyncio queue with `loop.call_soon_threadsafe`, so the event loop never waits on
-the engine. A job ends with exactly one `Outcome` on that queue.
-
-Cancelling a job (client gone, WebSocket `cancel`, shutdown) sets an event that the stream polls
-through its `should_stop` before each frame and while it waits for live text, so generation stops
-within one frame, from any thread, without blocking the caller; a job cancelled while still queued
-is skipped.
+Validated engine requests become `Job`s (server/job.py) on a bounded queue; a full queue is refused
+at once (`Busy`, a 503 with Retry-After) rather than letting waits grow without bound. The worker
+runs `Engine.stream_request` for each job (a whole text, or a `TextFeed` whose text is still
+arriving), encodes each chunk and hands the bytes to the job, so the event loop never waits on the
+engine. A job ends with exactly one `Outcome`. A cancelled job stops before its next frame; one
+cancelled while still queued is skipped.
 
 With `max_batch` N > 1, N serving threads take jobs from the one queue, first come first served,
 and their streams' frame steps run batched in one `Scheduler` (kazeia/scheduler.py): each
@@ -19,194 +15,23 @@ the engine's own streams.
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import math
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from ..audio import SAMPLE_RATE
 from ..engine import Engine
 from ..live import TextTimeout
-from ..request import Request
 from ..runaway import CANCELLED
 from ..scheduler import Scheduler
-from ..segment import Segment
-from ..streaming import ChunkSchedule, Metrics, SpeechStream
-from .formats import AudioEncoder
+from ..streaming import ChunkSchedule, SpeechStream
+from .job import PLAYOUT_S, Busy, Job, JobRecord, Outcome, ResponseTooLarge
 from .metrics import ServerMetrics
 
 log = logging.getLogger("kazeia.server")
-_ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The last item of a job's queue."""
-
-    status: str  # "completed" | "cancelled" | "failed"
-    samples: int  # audio samples encoded (24 kHz)
-    queue_s: float  # seconds from arrival until the worker took the job
-    ttfb_s: float | None  # seconds from arrival to the first audio, queue wait included
-    metrics: Metrics | None  # the engine's figures (completed utterances only)
-    error: str | None = None  # why it failed
-    # what kind of failure: "text_timeout" (live text stopped arriving), "invalid_text" (live text
-    # the engine refused, e.g. empty), None (an internal error)
-    error_code: str | None = None
-    # why generation ended (kazeia/runaway.py): "eos", "length", "guard" or "cancelled"; None if it failed
-    finish_reason: str | None = None
-    segments: tuple[Segment, ...] = ()  # the text's segments that were spoken, with their samples
-
-
-def segment_fields(segment: Segment) -> dict:
-    """A segment as the JSON of an SSE / WebSocket event."""
-    return {
-        "index": segment.index,
-        "text": segment.text,
-        "start_s": segment.start_s,
-        "end_s": segment.end_s,
-        "start_sample": segment.start_sample,
-        "end_sample": segment.end_sample,
-        "finish_reason": segment.finish_reason,
-    }
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    """What the worker remembers of a finished job (logs, tests)."""
-
-    id: int
-    status: str
-    frames: int  # frames the generator produced
-    frames_at_cancel: int | None  # frames produced when the job was cancelled (None: not cancelled)
-
-
-class ResponseTooLarge(Exception):
-    """The encoded audio an encoder keeps back has grown over the job's `max_held` bytes."""
-
-    def __init__(self, held: int, limit: int):
-        super().__init__(f"the encoded audio is over this server's limit of {limit} bytes held for one answer")
-
-
-class Busy(Exception):
-    """The queue is full; `retry_after` is a whole number of seconds to wait."""
-
-    def __init__(self, retry_after: int):
-        super().__init__(f"the server is busy; retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class Job:
-    """One utterance: what to say, its encoder, and the queue its bytes go to.
-
-    The queue holds at most `max_buffered` bytes the client has not taken: the worker waits for
-    room. A client that takes nothing for `stall_s` seconds is cancelled as if it had left, and so
-    is one that keeps the worker waiting for room longer in all than `stall_s` plus the duration
-    of the audio generated so far: a player taking audio in real time never does, a client that
-    takes a chunk now and then would otherwise hold the worker for hours."""
-
-    def __init__(
-        self,
-        request: Request,
-        encoder: AudioEncoder,
-        loop: asyncio.AbstractEventLoop,
-        arrived: float | None = None,
-        max_buffered: int = 8 << 20,
-        stall_s: float = 30.0,
-        max_held: int | None = None,
-    ):
-        self.id = next(_ids)
-        self.request, self.encoder, self.loop = request, encoder, loop
-        self.events: asyncio.Queue = asyncio.Queue()  # bytes ..., then one Outcome
-        self.arrived = time.perf_counter() if arrived is None else arrived  # perf_counter() of the request
-        self.frames_at_cancel: int | None = None
-        self.finished = False  # set on the event loop once the Outcome has been taken
-        self.stream: SpeechStream | None = None  # set by the worker when generation starts
-        self.stalled = False  # cancelled because the client stopped taking its audio
-        self.max_buffered, self.stall_s = max_buffered, stall_s
-        # Encoded bytes its encoder may keep back (FLAC holds its whole file until the end; None:
-        # max_buffered): over it the job fails with `response_too_large` as soon as it is.
-        self.max_held = max_buffered if max_held is None else max_held
-        self._buffered = 0  # bytes handed to the event loop and not yet taken by the client
-        self._waited = 0.0  # seconds the worker has spent waiting for room, in all
-        self._room = threading.Condition()
-        self._cancelled = threading.Event()
-        # Held only to set the cancel flag and read the frame count, or to name the stream (never
-        # while one is made: that may decode an ICL voice's reference, and cancel runs on the loop).
-        self._naming = threading.Lock()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def cancel(self) -> None:
-        """Stop this job: before its next frame if it is generating, at once if it is waiting.
-        Never waits for the worker (it is called on the event loop)."""
-        if self.finished or self._cancelled.is_set():
-            return
-        with self._naming:
-            self._cancelled.set()  # first, so at most one frame can follow the count read below
-            stream = self.stream
-            self.frames_at_cancel = stream.frames_generated if stream is not None else 0
-
-    def started(self, stream: SpeechStream) -> None:
-        """From the worker: the job's stream, once made. Cancelled while it was being made, its
-        frame count is read now: the frames its thread made before it was named are counted."""
-        with self._naming:
-            self.stream = stream
-            if self._cancelled.is_set():
-                self.frames_at_cancel = stream.frames_generated
-
-    async def outcomes(self) -> AsyncIterator[bytes | Segment | Outcome]:
-        """On the event loop: the job's bytes and ended segments as they come, then its Outcome;
-        leaving early cancels it."""
-        try:
-            while True:
-                item = await self.events.get()
-                if isinstance(item, Outcome):
-                    self.finished = True
-                elif isinstance(item, bytes):
-                    with self._room:
-                        self._buffered -= len(item)
-                        self._room.notify()
-                yield item
-                if self.finished:
-                    return
-        finally:
-            self.cancel()
-
-    def put(self, item) -> None:
-        """From the worker thread: hand bytes, a Segment or the Outcome to the event loop. Bytes wait for room
-        under `max_buffered`; past the stall bounds (the class docstring) the job is cancelled instead."""
-        if isinstance(item, bytes):
-            with self._room:
-                began = time.monotonic()
-                # the audio made so far, at its pace (none before the stream starts)
-                audio_s = 0.0 if self.stream is None else self.stream.generated_s
-                whole_job = self.stall_s + audio_s - self._waited  # what the job may still wait
-                until = began + min(self.stall_s, whole_job)
-                while self._buffered > 0 and self._buffered + len(item) > self.max_buffered:
-                    left = until - time.monotonic()
-                    if self.cancelled:
-                        break
-                    if left <= 0:
-                        self.stalled = True
-                        self.cancel()
-                        break
-                    self._room.wait(min(left, 0.1))
-                self._waited += time.monotonic() - began
-                if self.cancelled:
-                    return
-                self._buffered += len(item)
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
 
 class Worker:
@@ -219,9 +44,10 @@ class Worker:
         schedule: ChunkSchedule,
         metrics: ServerMetrics,
         max_batch: int = 1,
+        refuse_when_behind: bool = False,
     ):
         self.engine, self.schedule, self.metrics = engine, schedule, metrics
-        self.max_batch = max_batch
+        self.max_batch, self.refuse_when_behind = max_batch, refuse_when_behind
         self.records: deque[JobRecord] = deque(maxlen=256)
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._current: set[Job] = set()
@@ -243,17 +69,26 @@ class Worker:
             thread.start()
 
     def check_room(self) -> None:
-        """Busy if a job submitted now would be refused (nothing is reserved: submit may still be)."""
-        if self._jobs.full():
+        """Busy if a job submitted now would be refused (nothing is reserved: submit may still be):
+        the queue is full, or (`refuse_when_behind`) a stream is behind real time, which one more
+        would only hold back further."""
+        if self._jobs.full() or (self.refuse_when_behind and self.behind):
             raise Busy(self.retry_after())
 
     def submit(self, job: Job) -> None:
+        if self.refuse_when_behind and self.behind:
+            raise Busy(self.retry_after())
         with self._lock:
             try:
                 self._jobs.put_nowait(job)
             except queue.Full:
                 raise Busy(self.retry_after()) from None
             self._active += 1
+
+    @property
+    def running(self) -> bool:
+        """Every worker thread started and none ended (a replica's health check on Ray)."""
+        return all(thread.is_alive() for thread in self._threads)
 
     @property
     def queue_depth(self) -> int:
@@ -263,6 +98,13 @@ class Worker:
     def active(self) -> int:
         """Jobs admitted and not finished: waiting plus those being generated."""
         return self._active
+
+    @property
+    def behind(self) -> int:
+        """Streams behind real time now: a listener behind a `PLAYOUT_S` buffer would be waiting."""
+        now = time.perf_counter()
+        with self._lock:
+            return sum(job.late_s(now) > PLAYOUT_S for job in self._current)
 
     def retry_after(self) -> int:
         mean = self._mean_s if self._mean_s is not None else 1.0
@@ -326,9 +168,12 @@ class Worker:
                     if job.encoder.held > job.max_held:
                         raise ResponseTooLarge(job.encoder.held, job.max_held)
                     samples += len(chunk.audio)
+                    now = time.perf_counter()
                     if ttfb is None and chunk.frames:
-                        ttfb = time.perf_counter() - job.arrived
+                        ttfb = now - job.arrived
                         self.metrics.ttfb.observe(ttfb)
+                    if ttfb is not None and job.made(len(chunk.audio), now):
+                        self.metrics.fell_behind.inc()
                     if data:
                         job.put(data)
                     if len(job.request.parts) > 1:  # a long text: each segment as soon as its audio is out
@@ -355,6 +200,7 @@ class Worker:
         self._end(job, outcome, frames=0 if stream is None else stream.frames_generated)
 
     def _end(self, job: Job, outcome: Outcome, frames: int) -> None:
+        job.made_all = True
         with self._lock:
             self._active -= 1
         wall = time.perf_counter() - job.arrived - outcome.queue_s

@@ -45,10 +45,10 @@ from .bodies import check_length
 from .config import ServerConfig
 from .errors import ApiError, from_engine
 from .formats import AudioEncoder
+from .job import Busy, Job, Outcome
 from .params import prepare
 from .state import build_state
 from .wire import clean
-from .worker import Busy, Job, Outcome
 from .wyoming_info import Catalog, WyomingSettings, announce, read_event
 
 log = logging.getLogger("kazeia.wyoming")
