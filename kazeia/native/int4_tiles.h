@@ -47,18 +47,29 @@ INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
     const long blocks = cols / 128;
     __m512 f[TILE];
     for (int i = 0; i < n; i++) f[i] = _mm512_setzero_ps();
-    for (long b = 0; b < blocks; b += 2) {
-        const int two = b + 1 < blocks;
-        uint64_t eight = 0;
-        memcpy(&eight, gs + 4 * b, two ? 8 : 4);
-        __m512i steps = pair_steps(eight);
-        struct unpacked512 ka = unpack512(w, 2 * b), kb = ka;
-        if (two) kb = unpack512(w, 2 * b + 2);
+    long b = 0;
+    for (; b + 1 < blocks; b += 2) { /* pairs of blocks */
+        uint64_t eight;
+        memcpy(&eight, gs + 4 * b, 8);
+        const __m512i steps = pair_steps(eight);
+        const struct unpacked512 ka = unpack512(w, 2 * b), kb = unpack512(w, 2 * b + 2);
         for (int i = 0; i < n; i++) {
             const int8_t *x = p + i * cols;
-            __m512i second = two ? eights512(kb, x, 2 * b + 2) : _mm512_setzero_si512();
-            __m512i ints = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(eights512(ka, x, 2 * b), second),
-                                               steps);
+            __m512i ints = _mm512_dpwssd_epi32(
+                _mm512_setzero_si512(), _mm512_packs_epi32(eights512(ka, x, 2 * b), eights512(kb, x, 2 * b + 2)), steps);
+            __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(t + i * ts + 2 * b));
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, f[i]);
+        }
+    }
+    if (b < blocks) { /* an odd last block: its pair's second half is zero */
+        uint32_t four;
+        memcpy(&four, gs + 4 * b, 4);
+        const __m512i steps = pair_steps(four);
+        const struct unpacked512 ka = unpack512(w, 2 * b);
+        for (int i = 0; i < n; i++) {
+            __m512i ints = _mm512_dpwssd_epi32(
+                _mm512_setzero_si512(), _mm512_packs_epi32(eights512(ka, p + i * cols, 2 * b), _mm512_setzero_si512()),
+                steps);
             __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(t + i * ts + 2 * b));
             f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, f[i]);
         }
