@@ -42,37 +42,36 @@ INLINE __m512i eights512(struct unpacked512 k, const int8_t *x, long u) {
     __m512i e = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k.low, _mm512_loadu_si512((const void *)(x + u * UNIT)));
     return _mm512_dpbusd_epi32(e, k.high, _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT))); /* <= 8*15*127 */
 }
+/* Blocks b and, where `two`, b + 1 (codes ka, kb; steps as pair_steps gives them) of n activation rows
+   p (stride cols, block steps t at stride ts) into their sums f; `two` is a constant in each
+   expansion, so neither loop tests it. */
+INLINE void pair512(struct unpacked512 ka, struct unpacked512 kb, const int two, __m512i steps, const int8_t *p,
+                    const float *t, long ts, long cols, long b, const int n, __m512 *f) {
+    for (int i = 0; i < n; i++) {
+        const int8_t *x = p + i * cols;
+        __m512i second = two ? eights512(kb, x, 2 * b + 2) : _mm512_setzero_si512();
+        __m512i ints = _mm512_dpwssd_epi32(_mm512_setzero_si512(), _mm512_packs_epi32(eights512(ka, x, 2 * b), second),
+                                           steps);
+        __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(t + i * ts + 2 * b));
+        f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, f[i]);
+    }
+}
 INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
                     const int n, float *out) {
     const long blocks = cols / 128;
     __m512 f[TILE];
     for (int i = 0; i < n; i++) f[i] = _mm512_setzero_ps();
     long b = 0;
-    for (; b + 1 < blocks; b += 2) { /* pairs of blocks */
+    for (; b + 1 < blocks; b += 2) { /* whole pairs of blocks */
         uint64_t eight;
         memcpy(&eight, gs + 4 * b, 8);
-        const __m512i steps = pair_steps(eight);
-        const struct unpacked512 ka = unpack512(w, 2 * b), kb = unpack512(w, 2 * b + 2);
-        for (int i = 0; i < n; i++) {
-            const int8_t *x = p + i * cols;
-            __m512i ints = _mm512_dpwssd_epi32(
-                _mm512_setzero_si512(), _mm512_packs_epi32(eights512(ka, x, 2 * b), eights512(kb, x, 2 * b + 2)), steps);
-            __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(t + i * ts + 2 * b));
-            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, f[i]);
-        }
+        pair512(unpack512(w, 2 * b), unpack512(w, 2 * b + 2), 1, pair_steps(eight), p, t, ts, cols, b, n, f);
     }
     if (b < blocks) { /* an odd last block: its pair's second half is zero */
         uint32_t four;
         memcpy(&four, gs + 4 * b, 4);
-        const __m512i steps = pair_steps(four);
         const struct unpacked512 ka = unpack512(w, 2 * b);
-        for (int i = 0; i < n; i++) {
-            __m512i ints = _mm512_dpwssd_epi32(
-                _mm512_setzero_si512(), _mm512_packs_epi32(eights512(ka, p + i * cols, 2 * b), _mm512_setzero_si512()),
-                steps);
-            __m512 scale = _mm512_broadcast_f32x4(_mm_loadu_ps(t + i * ts + 2 * b));
-            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, f[i]);
-        }
+        pair512(ka, ka, 0, pair_steps(four), p, t, ts, cols, b, n, f);
     }
     for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(f[i]);
 }
