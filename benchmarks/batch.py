@@ -43,7 +43,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Checkpoints, Outcomes, add_checkpoint_options, longest_wait, machine, precisions
+from common import (
+    Checkpoints,
+    Outcomes,
+    add_checkpoint_options,
+    concurrently,
+    longest_wait,
+    machine,
+    precisions,
+)
 
 from kazeia import Engine
 
@@ -145,13 +153,7 @@ def run_level(
                 results.append(got)
             time.sleep(local.expovariate(1 / gap))
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
+    wall = concurrently(client, clients)
     stats = scheduler.stats if scheduler is not None else None
     if scheduler is not None:
         scheduler.close()

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -191,3 +193,15 @@ def longest_wait(arrivals: list[tuple[float, float]], buffer_s: float = PLAYER_B
         if at > due:
             start += at - due
     return worst
+
+
+def concurrently(client: Callable[[int], object], count: int) -> float:
+    """`client(0)` .. `client(count - 1)`, each on its own thread, all started at once -> the wall
+    seconds until the last has returned."""
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started

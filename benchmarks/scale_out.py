@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import Checkpoints, add_checkpoint_options, machine
+from common import Checkpoints, add_checkpoint_options, concurrently, machine
 
 TEXT = "Scaling out keeps every listener's first words quick, however many are talking at once."
 
@@ -99,13 +99,7 @@ def load(url: str, clients: int, requests: int, frames: int, voice: str) -> dict
                 with lock:
                     results.append(got)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    wall = concurrently(run, clients)
     ttfa = sorted(r[0] for r in results)
     return {
         "audio_s_per_s": sum(r[1] for r in results) / wall,
