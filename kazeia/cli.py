@@ -169,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args):
+def _load(args, huge_pages: bool = True):
+    """The engine the arguments name. `huge_pages=False` for one-shot commands: on a VM, faulting the
+    weights into huge pages can cost ~2 s a GB, more than a short text gains (kazeia/hugepages.py)."""
     from .engine import Engine
 
     return Engine.load(
@@ -180,6 +182,7 @@ def _load(args):
         tokenizer_regex=args.tokenizer_regex,
         offline=args.offline or None,
         threads=args.threads,
+        huge_pages=huge_pages,
     )
 
 
@@ -196,7 +199,7 @@ def _say(args) -> int:
     if given and not args.stream:
         raise ValueError(f"--{given[0].replace('_', '-')} applies with --stream only")
     options = options_from(args, StreamOptions)  # checked before the model loads
-    return say(_load(args), args, options)
+    return say(_load(args, huge_pages=False), args, options)
 
 
 def _voices(args) -> int:
@@ -205,7 +208,7 @@ def _voices(args) -> int:
     given = [flag for flag, value in (("--audio", args.audio), ("--text", args.text), ("-o", args.output)) if value]
     if given or args.x_vector_only:
         raise ValueError(f"{(given or ['--x-vector-only'])[0]} belongs to `kazeia voices create`")
-    engine = _load(args)
+    engine = _load(args, huge_pages=False)
     print(f"model type: {engine.model_type}")
     none = "clone one with `kazeia voices create`" if engine.model_type == "base" else "describe it with --instruct"
     print("voices: " + (", ".join(engine.voices) or f"(none: {none})"))
@@ -224,7 +227,7 @@ def _wyoming(args) -> int:
 def _create_voice(args) -> int:
     if not args.audio or not args.output:
         raise ValueError("kazeia voices create needs --audio REF_AUDIO and -o VOICE_FILE")
-    engine = _load(args)
+    engine = _load(args, huge_pages=False)
     voice = engine.create_voice(args.audio, ref_text=args.text, x_vector_only=args.x_vector_only)
     voice.save(args.output)
     mode = "ICL" if voice.mode == "icl" else "x-vector-only"

@@ -63,6 +63,7 @@ class Engine:
         tokenizer_regex: str = "qwen2",
         offline: bool | None = None,
         threads: int | None = None,
+        huge_pages: bool = True,
     ) -> Engine:
         """Load a local checkpoint directory or a hub id (downloaded once into the hub cache).
 
@@ -84,8 +85,14 @@ class Engine:
             the vocoder (process-wide: `torch.set_num_threads`). Default on the CPU: half the cores
             this process may use, at least 1 (kazeia/placement.py says why, and when a prompt takes
             both stages' threads).
+        huge_pages: on the CPU, the talker's and code predictor's weights are copied into memory
+            the kernel may back with 2 MB pages (kazeia/hugepages.py): generation reads them ~5-10 %
+            faster, for a longer load (on a VM up to ~2 s a GB). False for one-shot work;
+            `KAZEIA_HUGEPAGES=0` turns it off everywhere.
         """
-        return cls(Runtime.load(path_or_id, device, dtype, vocoder_dtype, tokenizer_regex, offline, threads))
+        return cls(
+            Runtime.load(path_or_id, device, dtype, vocoder_dtype, tokenizer_regex, offline, threads, huge_pages)
+        )
 
     # -- what was loaded and what it accepts -------------------------------------------------
     @property

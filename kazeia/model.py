@@ -17,6 +17,7 @@ from . import native
 from .checkpoint import assign, load_tensors, release_freed_memory
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
+from .hugepages import Arena, move_to_huge_pages
 from .int4 import quantize_linears as int4_linears
 from .layers import fuse_projections
 from .matmul import can_pack, pack_linears, replace_linears
@@ -41,15 +42,23 @@ class TTSModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.arena: Arena | None = None  # the weights' huge pages (kazeia/hugepages.py), once prepared
         self.talker = Talker(cfg.talker)
         self.code_predictor = CodePredictor(
             cfg.code_predictor, cfg.talker.stack.hidden_size, cfg.code_predictor_vocab, cfg.talker.num_code_groups
         )
 
     @classmethod
-    def load(cls, cfg: ModelConfig, path: Path, device: torch.device | str, dtype: torch.dtype | str) -> TTSModel:
+    def load(
+        cls,
+        cfg: ModelConfig,
+        path: Path,
+        device: torch.device | str,
+        dtype: torch.dtype | str,
+        huge_pages: bool = False,
+    ) -> TTSModel:
         """Load `model.safetensors`; dtype is a float dtype, "int8" (see kazeia/quant.py) or "int4"
-        (kazeia/int4.py)."""
+        (kazeia/int4.py); `huge_pages`: the weights on huge pages (kazeia/hugepages.py)."""
         quantized = dtype in QUANTIZED  # the file's precision is kept until each weight is quantized
         if quantized and torch.device(device).type != "cpu":
             raise ValueError(f"dtype {dtype!r} runs on the CPU only; use bfloat16 or float16 on a GPU")
@@ -73,6 +82,7 @@ class TTSModel(nn.Module):
         if prepared in QUANTIZED:  # products stored quantized and fused: nothing to convert
             fuse_projections(model)  # on the meta device: the fused shapes
             load_quantized(model, path, prepared, lib, SKIPPED_PREFIXES)
+            model.arena = move_to_huge_pages(model) if huge_pages else None
             model.choose_steps(lib)
             return model.eval()
         # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep
@@ -84,10 +94,10 @@ class TTSModel(nn.Module):
         del raw
         assign(model, tensors, str(path), device=device, dtype=kept, released_name=released_name)
         del tensors
-        model.prepare(torch.device(device), dtype)
+        model.prepare(torch.device(device), dtype, huge_pages)
         return model.eval()
 
-    def prepare(self, device: torch.device, dtype: torch.dtype | str) -> None:
+    def prepare(self, device: torch.device, dtype: torch.dtype | str, huge_pages: bool = False) -> None:
         """The loaded weights into the form each step runs fastest in, and the implementations of
         the products and decoding steps chosen once, here (results change by float rounding only).
 
@@ -110,6 +120,8 @@ class TTSModel(nn.Module):
         elif cpu and can_pack(dtype):
             # Products: oneDNN's packed batch-1 matmul (reads weights faster than the stock kernel).
             pack_linears(self, after_each=release_freed_memory)
+        if cpu and huge_pages:  # before the decoding steps take the weights' addresses
+            self.arena = move_to_huge_pages(self)
         self.choose_steps(lib)
 
     def choose_steps(self, lib) -> None:

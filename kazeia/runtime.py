@@ -67,7 +67,8 @@ class Runtime:
 
     @classmethod
     def load(cls, path_or_id: str | os.PathLike, device: str, dtype: str | None, vocoder_dtype: str,
-             tokenizer_regex: str, offline: bool | None, threads: int | None) -> Runtime:  # fmt: skip
+             tokenizer_regex: str, offline: bool | None, threads: int | None,
+             huge_pages: bool = True) -> Runtime:  # fmt: skip
         """`Engine.load`, which gives every argument (its docstring says what each means); every
         argument is checked before anything is read."""
         cpu.enabled()  # a KAZEIA_ISA that cannot be honoured fails here, naming itself
@@ -88,7 +89,7 @@ class Runtime:
         cfg = ModelConfig.from_file(files["config.json"])
         defaults = SamplingOptions.from_file(files["generation_config.json"])
         tokenizer = TextTokenizer.from_dir(files.root, regex=tokenizer_regex)
-        model = TTSModel.load(cfg, files["model.safetensors"], torch_device, weights)
+        model = TTSModel.load(cfg, files["model.safetensors"], torch_device, weights, huge_pages)
         vocoder = Vocoder.load(files["speech_tokenizer"], device=torch_device, dtype=vocoder_weights, int8=int8_vocoder)
         release_freed_memory()
         cloner = Cloner.load(files.root, cfg, torch_device) if cfg.tts_model_type == "base" else None
