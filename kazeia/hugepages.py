@@ -5,7 +5,8 @@ is a TLB miss every 4 KB, and the CPU's stream prefetchers stop at every page bo
 pages neither happens. Linux gives an anonymous mapping huge pages when it asks for them
 (`madvise(MADV_HUGEPAGE)`; the kernel's default, `enabled=madvise`, gives them to nothing else), so
 the loaded weights are copied into such a mapping once, before the decoding steps take their
-addresses. Measured on a 2-vCPU Zen 4 VM, one thread: a frame's int4 products 48 -> 43 ms.
+addresses. Measured on a 2-vCPU Zen 4 VM, one thread: a frame's int4 products 48.6-52.7 -> 46.1-46.3
+ms, int8 69.8 -> 64.9 (BENCHMARKS.md).
 
 The values and the kernels are the same, so every result is the same bits (only the addresses
 change). Tensors that share a storage (views, tied weights) keep sharing one copy. Where huge pages

@@ -82,7 +82,8 @@ class TTSModel(nn.Module):
         if prepared in QUANTIZED:  # products stored quantized and fused: nothing to convert
             fuse_projections(model)  # on the meta device: the fused shapes
             load_quantized(model, path, prepared, lib, SKIPPED_PREFIXES)
-            model.arena = move_to_huge_pages(model) if huge_pages else None
+            if huge_pages:  # before the decoding steps take the weights' addresses
+                model.arena = move_to_huge_pages(model)
             model.choose_steps(lib)
             return model.eval()
         # Read, not memory-mapped: fusing and quantizing replace most tensors, and a map would keep

@@ -68,7 +68,7 @@ class Runtime:
     @classmethod
     def load(cls, path_or_id: str | os.PathLike, device: str, dtype: str | None, vocoder_dtype: str,
              tokenizer_regex: str, offline: bool | None, threads: int | None,
-             huge_pages: bool = True) -> Runtime:  # fmt: skip
+             huge_pages: bool) -> Runtime:  # fmt: skip
         """`Engine.load`, which gives every argument (its docstring says what each means); every
         argument is checked before anything is read."""
         cpu.enabled()  # a KAZEIA_ISA that cannot be honoured fails here, naming itself
