@@ -38,7 +38,7 @@ from .lru import LRU
 from .model import TTSModel
 from .products import MAX_ROWS, row_product
 from .prompt import Prompt, frame_embedding
-from .sampling import SamplingOptions, sample, talker_scores
+from .sampling import SamplingOptions, sample_rows, talker_scores
 from .talker import Talker
 
 CACHE_BLOCK = 256  # talker KV positions allocated at a time (grown by whole blocks)
@@ -180,7 +180,7 @@ class FrameStep:
         """Codebook 0 from the talker's hidden (B, 1, H), then the predictor's codebooks: each
         request's frame (1, 16), or None at its EOS."""
         logits = self._head(0, hidden[:, -1])  # (B, V)
-        spoken = [i for i, state in enumerate(states) if self._codebook0(state, logits[i : i + 1])]
+        spoken = [i for i, going in enumerate(self._codebook0(states, logits)) if going]
         out: list[torch.Tensor | None] = [None] * len(states)
         if spoken:
             made = self._predict([states[i] for i in spoken], hidden[spoken], pause)
@@ -189,14 +189,16 @@ class FrameStep:
                 out[i] = frame
         return out
 
-    def _codebook0(self, state: Decoding, logits: torch.Tensor) -> bool:
-        """Sample codebook 0 for one request from its logits (1, V); False at EOS."""
-        opts, n = state.opts, state.frames
+    def _codebook0(self, states: list[Decoding], logits: torch.Tensor) -> list[bool]:
+        """Sample codebook 0 for each request from its row of logits (B, V); False at its EOS."""
         eos = self.model.cfg.talker.codec_eos_id
-        scores = talker_scores(logits, state.history[:, :n], opts, eos)
-        token = sample(scores, opts.do_sample, opts.temperature, opts.top_k, opts.top_p, state.generator)
-        state.history[:, n] = token
-        return int(token) != eos
+        scores = torch.cat([talker_scores(logits[b : b + 1], s.history[:, : s.frames], s.opts, eos) for b, s in
+                            enumerate(states)])  # fmt: skip
+        warpers = [(s.opts.do_sample, s.opts.temperature, s.opts.top_k, s.opts.top_p) for s in states]
+        tokens = sample_rows(scores, warpers, [s.generator for s in states])
+        for state, token in zip(states, tokens, strict=True):
+            state.history[0, state.frames] = token
+        return [token != eos for token in tokens.tolist()]
 
     def _predict(self, states: list[Decoding], hidden: torch.Tensor, pause: Callable[[], None]) -> list[torch.Tensor]:
         """The code predictor's 15 steps in lockstep: hidden (B, 1, H) -> each request's codes (1, 16);
@@ -207,20 +209,18 @@ class FrameStep:
         x = torch.cat([torch.cat((hidden[b : b + 1], talker.codec_embedding(t[:, None])), dim=1) for b, t in
                        enumerate(first)])  # fmt: skip
         codes = [[token] for token in first]
+        warpers = [(s.opts.subtalker_dosample, s.opts.subtalker_temperature, s.opts.subtalker_top_k,
+                    s.opts.subtalker_top_p) for s in states]  # fmt: skip
+        generators = [state.generator for state in states]
         for g in range(predictor.num_groups):
             if g > 0:
                 pause()
                 x = torch.cat([predictor.codec_embedding[g - 1](c[-1][:, None]) for c in codes])  # (B, 1, H)
             start = 0 if g == 0 else g + 1
             out = self._predictor(x, [(state.predictor_cache, start) for state in states])  # (B, T, h)
-            logits = self._head(g + 1, out[:, -1])  # (B, V)
-            for b, state in enumerate(states):
-                opts = state.opts
-                token = sample(
-                    logits[b : b + 1].float(), opts.subtalker_dosample, opts.subtalker_temperature,
-                    opts.subtalker_top_k, opts.subtalker_top_p, state.generator,
-                )  # fmt: skip
-                codes[b].append(token)
+            tokens = sample_rows(self._head(g + 1, out[:, -1]).float(), warpers, generators)  # (B,)
+            for b in range(len(states)):
+                codes[b].append(tokens[b : b + 1])
         return [torch.stack(c, dim=1) for c in codes]
 
     def _stack(self, stack: Decoder, x: torch.Tensor, places: list[tuple[list[KVCache], int]]) -> torch.Tensor:

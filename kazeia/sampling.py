@@ -109,15 +109,20 @@ def _blocked(vocab: int, eos_id: int, device: torch.device, allow_eos: bool) -> 
     return blocked
 
 
-def sample(
-    scores: torch.Tensor,
-    do_sample: bool,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """scores (B, V) float32 -> token ids (B,) by argmax or by sampling with the given warpers."""
+Warpers = tuple[bool, float, int, float]  # do_sample, temperature, top_k, top_p: one draw's settings
+
+
+def sample(scores: torch.Tensor, warpers: Warpers, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """scores (B, V) float32 -> token ids (B,) by argmax or by sampling with the given warpers, row b
+    drawing from generators[b] (None: torch's global generator, as the reference's calls do).
+
+    Each row gets exactly what `torch.multinomial(probs[b:b+1], 1, generator=generators[b])` gives
+    it, with the generator left in the same state: for one sample, torch draws an exponential per
+    vocabulary entry into a tensor shaped like the row and takes argmax(probs / draws). Written out
+    here so that B rows share every operation but the draws (~0.1 ms a row less at B = 2), and the
+    warpers work row by row, so a row's token never depends on the others
+    (tests/test_sampling.py checks both against torch.multinomial)."""
+    do_sample, temperature, top_k, top_p = warpers
     if not do_sample:
         return scores.argmax(dim=-1)
     if temperature != 1.0:
@@ -133,4 +138,21 @@ def sample(
         drop[..., -1:] = False  # always keep the most likely token
         scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
     probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    if not bool(torch.isfinite(probs).all()):  # what torch.multinomial refuses too
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+    draws = torch.empty_like(probs)
+    for row, generator in zip(draws, generators, strict=True):
+        row.exponential_(1, generator=generator)
+    return (probs / draws).argmax(dim=-1)
+
+
+def sample_rows(scores: torch.Tensor, warpers: list[Warpers], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """scores (B, V) -> token ids (B,), row b sampled with warpers[b] from generators[b]; rows with
+    the same warpers share one `sample` call."""
+    if all(w == warpers[0] for w in warpers):
+        return sample(scores, warpers[0], generators)
+    tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+    for w in dict.fromkeys(warpers):
+        rows = [b for b, other in enumerate(warpers) if other == w]
+        tokens[rows] = sample(scores[rows], w, [generators[b] for b in rows])
+    return tokens
