@@ -31,13 +31,34 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_ROWS)
 
 
+# Row counts a prompt product hands oneDNN: rows are padded with zeros up to the next of these, and
+# taken ROW_BUCKETS[-1] at a time beyond it. oneDNN builds and keeps a primitive (~0.7 MB: its
+# kernels) for every shape it meets, 1024 of them before it evicts any; prompts of every length
+# made a server's memory grow by hundreds of MB (docs/design.md, "Prompt products").
+ROW_BUCKETS = (4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
 def matrix_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias for many rows (a prompt's) on a plain float32 weight: oneDNN's matmul
     where torch has it, faster than `F.linear`'s kernel on one thread (docs/design.md), and it takes
-    a `cpu.team` (F.linear's does not); its results do not depend on the team's size."""
+    a `cpu.team` (F.linear's does not); its results do not depend on the team's size. oneDNN only
+    ever sees the row counts of ROW_BUCKETS, so its kept primitives are bounded."""
     if weight.dtype == torch.float32 and x.device.type == "cpu" and torch.backends.mkldnn.is_available():
-        return LINEAR_POINTWISE(x, weight, bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        step = ROW_BUCKETS[-1]
+        parts = [_bucketed(rows[i : i + step], weight, bias) for i in range(0, max(rows.shape[0], 1), step)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def _bucketed(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows (n <= ROW_BUCKETS[-1], in) through oneDNN's matmul as the next bucket's count of rows."""
+    n = rows.shape[0]
+    size = next(b for b in ROW_BUCKETS if b >= n)
+    if size != n:
+        rows = torch.cat((rows, rows.new_zeros(size - n, rows.shape[1])))
+    return LINEAR_POINTWISE(rows, weight, bias, "none", [], "")[:n]
 
 
 class PackedLinear(nn.Module):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kazeia import cpu
+from kazeia import cpu, matmul
 from kazeia.layers import Attention, KVCache, Rotary, apply_rotary, cache_dtype, rms_norm
-from kazeia.matmul import matrix_product
+from kazeia.matmul import ROW_BUCKETS, matrix_product
 
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -72,3 +72,35 @@ def test_a_prompt_product_is_f_linear_whatever_its_team(rows):
         assert torch.equal(matrix_product(x, weight, bias), alone)
     half = matrix_product(x.bfloat16(), weight.bfloat16(), bias.bfloat16())  # not float32: F.linear's
     assert torch.equal(half, F.linear(x.bfloat16(), weight.bfloat16(), bias.bfloat16()))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's matmul: its shapes are bounded")
+def test_prompt_products_of_every_length_hand_onednn_a_few_row_counts(monkeypatch):
+    """Prompts of 0 to 600 rows (and a batch of 3 x 97): oneDNN is only ever asked for the row
+    counts of ROW_BUCKETS, so the primitives it builds and keeps for every new shape (~0.7 MB
+    each, up to 1024 of them) stay few whatever the prompts' lengths; each product is F.linear's
+    to float rounding, its padding rows dropped."""
+    seen = set()
+
+    def spy(rows, weight, bias, *args):
+        seen.add(rows.shape[0])
+        return matmul.F.linear(rows, weight, bias)  # what oneDNN computes, to rounding
+
+    monkeypatch.setattr(matmul, "LINEAR_POINTWISE", spy)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    for shape in [(n, 24) for n in range(0, 601, 7)] + [(3, 97, 24)]:
+        x = torch.randn(*shape)
+        got = matrix_product(x, weight, bias)
+        assert got.shape == (*shape[:-1], 40)
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert seen == set(ROW_BUCKETS)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's matmul")
+@pytest.mark.parametrize("rows", [1, 5, 49, 300])
+def test_a_padded_prompt_product_is_f_linear_to_rounding(rows):
+    """The real oneDNN product on padded and blocked rows: F.linear's result to float rounding."""
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(rows, 64)
+    torch.testing.assert_close(matrix_product(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
