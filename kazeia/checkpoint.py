@@ -7,7 +7,6 @@ mis-shaped or unreadable tensor. Non-goal: knowing what the tensors mean (the mo
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -207,18 +206,6 @@ def assign(
         init = getattr(sub, "init_buffers", None)
         if init is not None:
             init(device)
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed while loading (conversion buffers, unfused weights) back to the OS.
-
-    glibc keeps freed blocks of its heap for reuse, so without this the process stays as large as
-    its load-time peak. Best effort: a no-op where glibc's malloc_trim does not exist.
-    """
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _more(names: list[str]) -> str:

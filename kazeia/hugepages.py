@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from .checkpoint import release_freed_memory
+from .heap import release_freed_memory
 
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 1 << 20  # storages smaller than this stay where they are (norms, biases, small tables)

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from . import native
-from .checkpoint import assign, load_tensors, release_freed_memory
+from .checkpoint import assign, load_tensors
 from .code_predictor import CodePredictor
 from .config import CheckpointError, ModelConfig
+from .heap import release_freed_memory
 from .hugepages import Arena, move_to_huge_pages
 from .int4 import quantize_linears as int4_linears
 from .layers import fuse_projections

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from . import cpu, native
-from .checkpoint import DTYPES, release_freed_memory, resolve
+from .checkpoint import DTYPES, resolve
 from .config import ModelConfig
 from .frame import FrameStep, voiced_cache
+from .heap import release_freed_memory
 from .model import TTSModel
 from .placement import Placement, Running, set_stage_threads
 from .prepared import prepared_dtype

@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .heap import trim_now_and_then
 from .lanes import LaneStopped, VocoderLanes
 from .options import ChunkSchedule
 from .request import Request
@@ -235,6 +236,7 @@ class SpeechStream:
                     return self._emit(is_last=True)
                 if isinstance(item, Segment):
                     self._ended.append(item)
+                    trim_now_and_then()  # a segment's buffers are free now (kazeia/heap.py)
                     continue
                 self._pending.append(item)
                 if len(self._pending) >= self._schedule.size(self._chunks):

@@ -448,6 +448,9 @@ def test_a_chapter_streams_to_its_file_in_flat_memory(tiny_checkpoints, tmp_path
     below the bound. The fixed part is the allocator's: a run on a loaded CI machine once grew by
     7.4 MiB in one step, independent of how much audio there is (glibc gives each of the generation
     and vocoder threads its own arena, and which one keeps a freed block depends on timing).
+    Growth that went on through the chapter on a loaded machine (+30-100 MB) was no such noise:
+    oneDNN kept a primitive for every new prompt length (now bounded: `matmul.ROW_BUCKETS`) and
+    glibc kept freed buffers of sizes not asked for again (now trimmed: kazeia/heap.py).
     Medians, so that one transient allocation (the decode of the last, shorter chunk, a shape not
     seen before) is not counted as growth."""
     wav, subtitles = tmp_path / "chapter.wav", tmp_path / "chapter.srt"
