@@ -119,8 +119,8 @@ def sample(scores: torch.Tensor, warpers: Warpers, generators: list[torch.Genera
     Each row gets exactly what `torch.multinomial(probs[b:b+1], 1, generator=generators[b])` gives
     it, with the generator left in the same state: for one sample, torch draws an exponential per
     vocabulary entry into a tensor shaped like the row and takes argmax(probs / draws). Written out
-    here so that B rows share every operation but the draws (~0.1 ms a row less at B = 2), and the
-    warpers work row by row, so a row's token never depends on the others
+    here so that B rows share every operation but the draws, and the warpers work row by row, so
+    a row's token never depends on the others
     (tests/test_sampling.py checks both against torch.multinomial)."""
     do_sample, temperature, top_k, top_p = warpers
     if not do_sample:
