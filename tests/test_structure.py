@@ -90,7 +90,8 @@ def test_sampling_is_called_from_the_frame_step_alone():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
                 "sample",
+                "sample_rows",
                 "talker_scores",
             ):
                 callers.add(name)
-    assert callers == {"kazeia.frame"}
+    assert callers - {"kazeia.sampling"} == {"kazeia.frame"}  # sampling's own sample_rows calls sample
