@@ -236,7 +236,6 @@ class SpeechStream:
                     return self._emit(is_last=True)
                 if isinstance(item, Segment):
                     self._ended.append(item)
-                    trim_now_and_then()  # a segment's buffers are free now (kazeia/heap.py)
                     continue
                 self._pending.append(item)
                 if len(self._pending) >= self._schedule.size(self._chunks):
@@ -301,6 +300,8 @@ class SpeechStream:
         ended = tuple(segment for segment, done in zip(held, complete, strict=True) if done)
         chunk = AudioChunk(samples, self._samples, len(frames), is_last, ended)
         self.segments += ended
+        if ended:  # their buffers are free now (kazeia/heap.py)
+            trim_now_and_then()
         self._ended = [segment for segment, done in zip(self._ended, complete, strict=True) if not done]
         self._chunks += 1
         self._samples += len(samples)
