@@ -194,8 +194,7 @@ class FrameStep:
         eos = self.model.cfg.talker.codec_eos_id
         scores = torch.cat([talker_scores(logits[b : b + 1], s.history[:, : s.frames], s.opts, eos) for b, s in
                             enumerate(states)])  # fmt: skip
-        warpers = [(s.opts.do_sample, s.opts.temperature, s.opts.top_k, s.opts.top_p) for s in states]
-        tokens = sample_rows(scores, warpers, [s.generator for s in states])
+        tokens = sample_rows(scores, [s.opts.talker_warpers for s in states], [s.generator for s in states])
         for state, token in zip(states, tokens, strict=True):
             state.history[0, state.frames] = token
         return [token != eos for token in tokens.tolist()]
@@ -209,8 +208,7 @@ class FrameStep:
         x = torch.cat([torch.cat((hidden[b : b + 1], talker.codec_embedding(t[:, None])), dim=1) for b, t in
                        enumerate(first)])  # fmt: skip
         codes = [[token] for token in first]
-        warpers = [(s.opts.subtalker_dosample, s.opts.subtalker_temperature, s.opts.subtalker_top_k,
-                    s.opts.subtalker_top_p) for s in states]  # fmt: skip
+        warpers = [state.opts.predictor_warpers for state in states]
         generators = [state.generator for state in states]
         for g in range(predictor.num_groups):
             if g > 0:

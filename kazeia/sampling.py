@@ -29,6 +29,9 @@ MIN_NEW_TOKENS = 2  # the reference masks EOS for the first two talker tokens
 CONTROL_ROWS = 1024  # the last 1024 codec rows are control/conditioning ids, never sampled (except EOS)
 
 
+Warpers = tuple[bool, float, int, float]  # do_sample, temperature, top_k, top_p: one draw's settings
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """Generation options, named as in the reference's `generate_*` functions (the defaults are the
@@ -46,6 +49,16 @@ class SamplingOptions:
     subtalker_top_k: int = 50  # code predictor: top-k (0: no limit)
     subtalker_top_p: float = 1.0  # code predictor: top-p (1.0: off)
     ignore_eos: bool = False  # never sample EOS: exactly max_new_tokens - 1 frames (benchmarks)
+
+    @property
+    def talker_warpers(self) -> Warpers:
+        """How codebook 0 is drawn (`sample`)."""
+        return self.do_sample, self.temperature, self.top_k, self.top_p
+
+    @property
+    def predictor_warpers(self) -> Warpers:
+        """How codebooks 1..15 are drawn (`sample`)."""
+        return self.subtalker_dosample, self.subtalker_temperature, self.subtalker_top_k, self.subtalker_top_p
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -107,9 +120,6 @@ def _blocked(vocab: int, eos_id: int, device: torch.device, allow_eos: bool) -> 
     blocked[vocab - CONTROL_ROWS :] = True
     blocked[eos_id] = not allow_eos
     return blocked
-
-
-Warpers = tuple[bool, float, int, float]  # do_sample, temperature, top_k, top_p: one draw's settings
 
 
 def sample(scores: torch.Tensor, warpers: Warpers, generators: list[torch.Generator | None]) -> torch.Tensor:
