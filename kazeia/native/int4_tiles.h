@@ -109,7 +109,7 @@ INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
 }
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
-#define TILE 4
+#define TILE 8 /* measured (Zen 3): prompt rows ~10 % faster than in tiles of 4, one row the same */
 #else
 #define TILE 4
 #endif
