@@ -116,7 +116,8 @@ static inline void ask_ahead(const void *p) {
    sums[i]. Four independent accumulators per activation row over consecutive vectors (one
    sequential stream of weights: what the prefetchers and the load ports like best), then single
    vectors, then the columns left over, in order. */
-static void row_dot(const void *w, int dt, const float *xf, int m, long cols, float sums[2]) {
+static inline __attribute__((always_inline)) void row_dot(const void *w, const int dt, const float *xf, const int m,
+                                                           long cols, float sums[2]) {
     long c = 0;
 #if VECTORS
     vec a[2][4];
@@ -184,6 +185,16 @@ static void row_dot_bf16(const uint16_t *w, const uint16_t *x, int m, long cols,
 }
 #endif
 
+/* row_dot with its dtype and row count constants, so that neither is tested in its loops. */
+static void row_dot_any(const void *w, int dt, const float *xf, int m, long cols, float sums[2]) {
+    if (dt == BF16)
+        m > 1 ? row_dot(w, BF16, xf, 2, cols, sums) : row_dot(w, BF16, xf, 1, cols, sums);
+    else if (dt == F16)
+        m > 1 ? row_dot(w, F16, xf, 2, cols, sums) : row_dot(w, F16, xf, 1, cols, sums);
+    else
+        m > 1 ? row_dot(w, F32, xf, 2, cols, sums) : row_dot(w, F32, xf, 1, cols, sums);
+}
+
 enum { MAX_ROWS = 256 }; /* activation rows one call takes */
 
 /* y (m x rows, dt) = x (m x cols, dt) @ w.T (w: rows x cols, dt) [+ bias (rows, dt)], 1 <= m <=
@@ -204,7 +215,7 @@ int gemv(const void *w, const void *x, const void *bias, void *y, long rows, lon
                 row_dot_bf16((const uint16_t *)row, (const uint16_t *)x + (long)i * cols, pair, cols, sums);
             else
 #endif
-                row_dot(row, dt, xf + (long)i * cols, pair, cols, sums);
+                row_dot_any(row, dt, xf + (long)i * cols, pair, cols, sums);
             for (int j = 0; j < pair; j++) {
                 float v = sums[j];
                 if (bias) v += load(bias, r, dt);
@@ -227,7 +238,7 @@ int gemv_wide(const void *w, int wdt, const float *x, const float *bias, float *
         for (int i = 0; i < m; i += 2) {
             const int pair = m - i < 2 ? m - i : 2;
             float sums[2];
-            row_dot((const char *)w + r * cols * width, wdt, x + (long)i * cols, pair, cols, sums);
+            row_dot_any((const char *)w + r * cols * width, wdt, x + (long)i * cols, pair, cols, sums);
             for (int j = 0; j < pair; j++) y[(long)(i + j) * rows + r] = sums[j] + (bias ? bias[r] : 0.0f);
         }
     return 0;
