@@ -84,14 +84,21 @@ class SynthesisOptions(Described):
         return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
 
 
+RAMP_HOLD = 3  # chunks of each size on a stream's way to `chunk_frames` (ChunkSchedule)
+
+
 @dataclass(frozen=True)
 class ChunkSchedule:
     """Frames per chunk of a stream: `first` for the first chunk (latency), then `rest` (overhead),
-    reached one frame a chunk: with first 1 and rest 4 the chunks hold 1, 2, 3, 4, 4, ... frames.
-    The ramp is for a player that starts with a short buffer: a second chunk of `rest` frames would
-    have to be generated and decoded while the first chunk's 80 ms (plus the buffer) play, and a
-    stream generated a little faster than real time runs dry there; one frame more a chunk keeps
-    each chunk's work within the audio already delivered (BENCHMARKS.md, "long dry s").
+    reached one frame at a time, each size held for `RAMP_HOLD` chunks: with first 1 and rest 4 the
+    chunks hold 1, 2, 2, 2, 3, 3, 3, 4, 4, ... frames. The ramp is for a player that starts with a
+    short buffer (160-250 ms). A chunk's first sample is heard only after its last frame is
+    generated and the whole chunk decoded, so each frame more a chunk delays it by about a frame's
+    generation and a frame's decode; a stream generated faster than real time wins back the
+    difference with every frame played, and holding each size for a few chunks lets it win that
+    back before the next step. Where a frame's generation and decode together take well over
+    80 ms (int4 on an AVX2 core: ~66 + ~57 ms) one frame more every chunk (1, 2, 3, 4) ran dry
+    once early on, ~0.09 s with 160 ms buffered (BENCHMARKS.md, "long dry s").
 
     `most` lets a later chunk catch up: when its consumer has fallen behind and more frames than
     its size are already waiting, the chunk takes them too, up to `most` (None, the default:
@@ -115,7 +122,7 @@ class ChunkSchedule:
 
     def size(self, index: int) -> int:
         """Frames in chunk `index` (0 the first)."""
-        return self.first if index == 0 else min(self.rest, self.first + index)
+        return self.first if index == 0 else min(self.rest, self.first + (index + RAMP_HOLD - 1) // RAMP_HOLD)
 
     def limit(self, index: int) -> int:
         """The most frames chunk `index` may take when they are already waiting."""
@@ -130,7 +137,7 @@ class StreamOptions(SynthesisOptions):
     overhead, never the sound (`ChunkSchedule`)."""
 
     first_chunk_frames: int = option(1, "frames (80 ms each) in the first chunk: the first audio's latency")
-    chunk_frames: int = option(4, "frames in each later chunk, reached one frame more a chunk")
+    chunk_frames: int = option(4, "frames in each later chunk, reached one frame at a time (ChunkSchedule)")
     max_chunk_frames: int | None = option(
         None, "frames a later chunk may take when its consumer has fallen behind (default: chunk_frames)", int
     )

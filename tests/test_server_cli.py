@@ -47,7 +47,7 @@ def test_server_config_checks_its_fields():
     for bad in (0, True, 2.5):
         with pytest.raises(ValueError, match="max_chunk_frames"):
             ServerConfig("m", max_chunk_frames=bad)
-    assert ServerConfig("m").schedule.limit(3) == 4  # the schedule's own sizes unless asked
+    assert ServerConfig("m").schedule.limit(7) == 4  # the schedule's own sizes unless asked
     assert ServerConfig("m", chunk_frames=6, max_chunk_frames=3).schedule.limit(1) == 6  # raised to chunk_frames
     assert ServerConfig("m", max_chunk_frames=16).schedule.limit(0) == 1  # the first chunk never grows
     from kazeia.cli import build_parser

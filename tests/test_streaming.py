@@ -55,14 +55,24 @@ def test_any_schedule_equals_offline(engines, first, rest, seed, layout):
     assert chunks[0].frames == min(first, len(offline.codes))
 
 
+def test_the_ramp_holds_each_size_for_three_chunks():
+    """Each frame more a chunk delays the chunk's first sample by about a frame's generation and
+    decode; three chunks of each size let a stream a little faster than real time win that back."""
+    assert [ChunkSchedule(1, 4).size(i) for i in range(10)] == [1, 2, 2, 2, 3, 3, 3, 4, 4, 4]
+    assert [ChunkSchedule(2, 3).size(i) for i in range(5)] == [2, 3, 3, 3, 3]
+    assert [ChunkSchedule(6, 4).size(i) for i in range(3)] == [6, 4, 4]  # a first chunk above the rest
+    assert [ChunkSchedule(1, 1).size(i) for i in range(3)] == [1, 1, 1]
+
+
 def test_default_schedule_starts_with_one_frame(engines):
     engine = engines["1.7B-design"]
     options = dict(instruct="A calm voice.", seed=11, max_new_tokens=30)
     offline = engine.synthesize(TEXT, **options)
     chunks = _check_stream(engine.stream(TEXT, **options), offline)
     assert len(offline.codes) > 20
-    assert [c.frames for c in chunks[:4]] == [1, 2, 3, 4]  # one frame more a chunk up to chunk_frames
-    assert {c.frames for c in chunks[3:-1]} == {4}
+    # one frame more every RAMP_HOLD (3) chunks, up to chunk_frames
+    assert [c.frames for c in chunks[:8]] == [1, 2, 2, 2, 3, 3, 3, 4]
+    assert {c.frames for c in chunks[7:-1]} == {4}
 
 
 def test_a_consumer_that_falls_behind_catches_up_in_longer_chunks(engines):
@@ -103,7 +113,7 @@ def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines, monkeypatch):
 
     monkeypatch.setattr(engine.runtime.step, "decode", slow_step)
     chunks = _check_stream(engine.stream(TEXT, chunk_frames=3, max_chunk_frames=3, **options), offline)
-    assert [c.frames for c in chunks[:3]] == [1, 2, 3] and {c.frames for c in chunks[2:-1]} == {3}
+    assert [c.frames for c in chunks[:5]] == [1, 2, 2, 2, 3] and {c.frames for c in chunks[4:-1]} == {3}
     with pytest.raises(ValueError, match="max_chunk_frames"):
         engine.stream(TEXT, chunk_frames=4, max_chunk_frames=3, **options)
 

@@ -191,7 +191,7 @@ def test_one_shot_synthesize_streams_audio_while_it_is_generated(long_live, engi
         events, generating = asyncio.run(speak(gate))
     assert generating == 1
     chunks = [len(e.payload) for e in events if e.type == "audio-chunk"]
-    assert chunks[:5] == [n * FRAME_BYTES for n in (1, 2, 3, 4, 4)]  # the streaming schedule: 1, then up to 4
+    assert chunks[:9] == [n * FRAME_BYTES for n in (1, 2, 2, 2, 3, 3, 3, 4, 4)]  # the schedule: 1, then up to 4
     long = dict(OPTIONS, max_new_tokens=600)
     expected = whole_text_pcm(engines["0.6B-custom"], "Good morning.", voice="ryan", language="english", **long)
     assert audio_of(events) == expected and len(expected) == 599 * FRAME_BYTES  # the streaming layout
