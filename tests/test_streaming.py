@@ -26,8 +26,9 @@ def _workers() -> int:
     return sum(t.name == "kazeia-generate" for t in threading.enumerate())
 
 
-def _check_stream(stream, offline):
-    chunks = list(stream)
+def _check_stream(stream, offline, chunks=None):
+    """`stream`'s chunks (taken here unless given) against the offline synthesis."""
+    chunks = list(stream) if chunks is None else chunks
     assert chunks and chunks[-1].is_last and not any(c.is_last for c in chunks[:-1])
     starts = np.cumsum([0] + [len(c.audio) for c in chunks[:-1]])
     assert [c.start_sample for c in chunks] == list(starts)
@@ -102,18 +103,33 @@ def test_a_consumer_that_falls_behind_catches_up_in_longer_chunks(engines):
 
 
 def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines, monkeypatch):
+    """Generation held by a gate: before each chunk is asked for, exactly that chunk's frames may be
+    made, so none are ever waiting and max_chunk_frames never lets a chunk take more."""
     engine = engines["0.6B-custom"]
     options = dict(voice="serena", seed=4, max_new_tokens=30, ignore_eos=True)
     offline = engine.synthesize(TEXT, **options)
     step = engine.runtime.step.decode
+    permits = threading.Semaphore(0)
 
-    def slow_step(*args):  # generation slower than the tiny vocoder by far: the consumer keeps up
-        time.sleep(0.05)
+    def gated_step(*args):  # every frame after the prompt's first waits for a permit
+        if not permits.acquire(timeout=60):
+            raise RuntimeError("no permit came for this frame")
         return step(*args)
 
-    monkeypatch.setattr(engine.runtime.step, "decode", slow_step)
-    chunks = _check_stream(engine.stream(TEXT, chunk_frames=3, max_chunk_frames=3, **options), offline)
-    assert [c.frames for c in chunks[:5]] == [1, 2, 2, 2, 3] and {c.frames for c in chunks[4:-1]} == {3}
+    monkeypatch.setattr(engine.runtime.step, "decode", gated_step)
+    schedule = ChunkSchedule(1, 3, 3)
+    stream = engine.stream(TEXT, chunk_frames=3, max_chunk_frames=3, **options)
+    chunks = []
+    try:
+        while not (chunks and chunks[-1].is_last):
+            if chunks:  # the first chunk is the prompt's frame
+                permits.release(schedule.size(len(chunks)))
+            chunks.append(next(stream))
+    finally:
+        permits.release(100)  # a failed check leaves no generation thread waiting
+    _check_stream(stream, offline, chunks)
+    assert len(offline.codes) == 29
+    assert [c.frames for c in chunks] == [1, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 1]  # 29 frames
     with pytest.raises(ValueError, match="max_chunk_frames"):
         engine.stream(TEXT, chunk_frames=4, max_chunk_frames=3, **options)
 
