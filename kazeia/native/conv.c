@@ -19,9 +19,9 @@
 
    Weights are packed once (`vconv_pack`): panels of NV * LANES output channels, each a
    (taps * cin, NV * LANES) matrix, zero past the last channel. Which panels a layer has depends on
-   the build's vector width only. A layer of very few output channels (the last convolution's one)
-   runs as dot products along k instead, in an order fixed by taps and cin (`dot_rows`). Built with
-   the rest of kazeia/native (-ffp-contract=off).
+   the build only (its vector width and widest tile, NV_MAX). A layer of very few output channels
+   (the last convolution's one) runs as dot products along k instead, in an order fixed by taps and
+   cin (`dot_rows`). Built with the rest of kazeia/native (-ffp-contract=off).
 
    Pairs (a bfloat16 vocoder, where the build has AVX512_BF16): the weights are packed as bfloat16
    pairs of consecutive k, the inputs rounded to bfloat16 (to nearest even) as a block of positions
