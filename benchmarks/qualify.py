@@ -1,7 +1,8 @@
 """How many listeners a `kazeia serve` holds: closed-loop clients, each playing its answers as they arrive.
 
     python benchmarks/qualify.py [--size 0.6B] [--dtype int4] [--vocoder-dtype float32] [--levels 1,2,3,4]
-                                 [--requests 3] [--frames 150] [--max-batch 4] [--busy] [--json F] [--png F]
+                                 [--requests 3] [--frames 150] [--max-batch 4] [--admission A] [--busy]
+                                 [--json F] [--png F]
 
 At each level C, C clients each send `--requests` requests one after the other to a real
 `kazeia serve` over HTTP (streaming `pcm`, answers of `--frames` frames: EOS suppressed), and play
@@ -9,7 +10,8 @@ each answer as it arrives: playback starts once a buffer of B seconds of audio h
 answer is whole), then runs in real time; it stalls when the next audio has not arrived when due.
 Per level: the share of answers that stall at each buffer (100, 250, 500, 1000 ms), the safe play-start
 (the smallest buffer with which the worst answer never stalls), time to first audio (p50, p95) and to
-the response's headers, seconds of audio per wall second over all clients, and errors. A level *holds*
+the response's headers, seconds of audio per wall second over all clients, and errors (a refusal, 503
+with the server's default `--admission measured`, is one). A level *holds*
 with no stall at a 250 ms buffer and first audio within 0.5 s at p95; C_max is the largest that holds.
 `--busy` adds a neighbour process that keeps one core busy. A table on stdout, `--json` the figures,
 `--png` a chart of first audio and stalls against C (matplotlib). Exits 1 when a level had errors.
@@ -145,6 +147,8 @@ def _serve(model: Path, args, port: int, log: Path) -> subprocess.Popen:
     command += ["--dtype", args.dtype, "--vocoder-dtype", args.vocoder_dtype, "--max-batch", str(args.max_batch)]
     command += ["--queue-size", "64", "--max-new-tokens", str(args.frames + 1), "--log-level", "warning"]
     command += ["--allow-ignore-eos"]  # the answers are of --frames frames: EOS suppressed
+    if args.admission is not None:
+        command += ["--admission", args.admission]
     process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -192,6 +196,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=3, help="requests each client sends at a level")
     parser.add_argument("--frames", type=int, default=150, help="frames (80 ms) of every answer")
     parser.add_argument("--max-batch", type=int, default=4)
+    parser.add_argument("--admission", choices=("measured", "behind", "all"), help="the server's (default: its own)")
     parser.add_argument("--busy", action="store_true", help="a neighbour process keeps one core busy")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--png", help="draw first audio and stalls against clients here")

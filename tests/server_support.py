@@ -37,10 +37,14 @@ class HeldJobs:
     work. Meanwhile generation runs at most its stream's look-ahead past what the worker took
     (kazeia/streaming.py): a few frames with the scheduler, 64 without.
 
+    A job at the gate is a client holding enough audio: never behind real time meanwhile, so a
+    held stream's wall time can never make the admission refuse (server/worker.py), however slow
+    the machine. `as_client=False` leaves its pace to the worker's clock (tests of being behind).
+
     Non-goal: holding anything but the server's own jobs (the engine's streams are untouched)."""
 
-    def __init__(self, free: int = 1):
-        self.free = free
+    def __init__(self, free: int = 1, as_client: bool = True):
+        self.free, self.as_client = free, as_client
         self._cond = threading.Condition()
         self._open = False
         self._given: dict[int, int] = {}  # job id -> pieces of audio let through
@@ -72,8 +76,10 @@ class HeldJobs:
             given = self._given.get(job.id, 0)
             if given >= self.free:
                 self.held.add(job.id)
+                job._full = self.as_client  # as when its client holds enough audio (Job.late_s)
                 self._cond.notify_all()
                 self._cond.wait_for(lambda: self._open or job.cancelled, HOLD_LIMIT_S)
+                job._full = False
                 self.held.discard(job.id)
             self._given[job.id] = given + 1
 

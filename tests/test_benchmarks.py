@@ -56,7 +56,7 @@ SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "conv8.py": ["--tiny", "--rounds", "1", "--threads", "1,2"],
     "scale_out.py": [*TINY, "--clients", "1", "--requests", "1", "--frames", "2", "--rounds", "1"],
     "qualify.py": [*TINY, "--dtype", "int8", "--levels", "1,2", "--requests", "1", "--frames", "3", "--port",
-                   str(free_port())],
+                   str(free_port()), "--admission", "all"],  # every request answered, however slow the machine
 }  # fmt: skip
 
 

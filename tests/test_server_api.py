@@ -192,8 +192,12 @@ def test_models_voices_health(client, engines):
     assert [v["id"] for v in voices["data"]] == engine.voices
     assert voices["languages"] == engine.languages and voices["supports_instructions"] is False
     assert voices["formats"][:2] == ["pcm", "wav"]
-    health = {"status": "ok", "model": "tiny-custom", "active": 0, "queue_depth": 0, "behind": 0}
-    assert client.get("/health").json() == health
+    health = client.get("/health").json()
+    paces = health.pop("paces")  # audio seconds a second of the utterances spoken so far, if enough
+    assert all(int(n) >= 1 and pace > 0 for n, pace in paces.items()), paces
+    assert health.pop("admits") in range(1, 5)  # at most --max-batch (4)
+    assert health == {"status": "ok", "model": "tiny-custom", "active": 0, "queue_depth": 0, "behind": 0,
+                      "admission": "measured"}  # fmt: skip
 
 
 def _metric(text: str, name: str, absent: float | None = None) -> float:

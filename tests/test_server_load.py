@@ -36,6 +36,7 @@ def server(tiny_checkpoints, tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "serve.log"
     args = ("--queue-size", str(CLIENTS), "--max-new-tokens", str(MAX_FRAMES + 1), "--log-level", "warning")
     args += ("--allow-ignore-eos",)  # exact lengths: ignore_eos
+    args += ("--admission", "all")  # every client is served, however slow the machine (not a test of admission)
     process, url = start_cli_server(tiny_checkpoints["0.6B-custom"], *args, log=log)
     yield process, url
     stop_process(process)

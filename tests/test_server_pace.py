@@ -76,7 +76,7 @@ def test_health_and_metrics_count_streams_behind_real_time(engines, monkeypatch,
     monkeypatch.setattr(worker_module, "time", _Clock(step))
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=HOLD_S) as client:
         before = _metric(client, "kazeia_streams_fell_behind_total")
-        with HeldJobs(free=1) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
+        with HeldJobs(as_client=False) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
             chunks = answer.iter_bytes()
             next(chunks)  # the first piece of audio is out; the worker waits at the gate for the second
             gate.wait_held()
@@ -90,22 +90,23 @@ def test_health_and_metrics_count_streams_behind_real_time(engines, monkeypatch,
         assert _metric(client, "kazeia_streams_fell_behind_total") == before + int(late)
 
 
-@pytest.mark.parametrize("refuse", [True, False])
-def test_a_server_told_to_refuses_new_streams_while_one_is_behind(engines, monkeypatch, refuse):
-    """--refuse-when-behind: 503 with Retry-After to a new utterance while a stream is behind, and
-    admitted again once none is; without it the new one is admitted (and queued)."""
-    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", max_batch=2, refuse_when_behind=refuse))
+@pytest.mark.parametrize("admission", ["measured", "behind", "all"])
+def test_a_new_stream_is_refused_while_one_is_behind_unless_all_are_let_in(engines, monkeypatch, admission):
+    """--admission measured/behind: 503 (at_capacity) with Retry-After to a new utterance while a
+    stream is behind, and admitted again once none is; with `all` the new one is admitted."""
+    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", max_batch=2, admission=admission))
     monkeypatch.setattr(worker_module, "time", _Clock(10.0))  # every stream is late
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=HOLD_S) as client:
-        with HeldJobs(free=1) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
+        with HeldJobs(as_client=False) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
             chunks = answer.iter_bytes()
             next(chunks)
             gate.wait_held()
             assert client.get("/health").json()["behind"] == 1
-            if refuse:
+            if admission != "all":
                 refused = client.post("/v1/audio/speech", json=SPEECH)
                 assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
-                assert "busy" in refused.json()["error"]["message"]
+                error = refused.json()["error"]
+                assert error["code"] == "at_capacity" and "fall behind real time" in error["message"]
                 gate.release()
             else:
                 with client.stream("POST", "/v1/audio/speech", json=SPEECH) as second:
@@ -114,4 +115,52 @@ def test_a_server_told_to_refuses_new_streams_while_one_is_behind(engines, monke
                     assert b"".join(second.iter_bytes())
             for _ in chunks:
                 pass
-        assert client.post("/v1/audio/speech", json=SPEECH).status_code == 200  # nothing behind now
+        assert client.post("/v1/audio/speech", json=SPEECH).status_code == 200  # one alone is always let in
+
+
+@pytest.mark.parametrize("admission", ["measured", "behind"])
+def test_the_measured_pace_refuses_one_stream_too_many(engines, monkeypatch, admission):
+    """A server whose streams were measured slower than real time alone refuses a second one at
+    once (`measured`), though nothing is behind now; `behind` lets it in. The clock stands still,
+    so no stream is ever late; the evidence is put in as the worker would."""
+    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", max_batch=2, admission=admission))
+    monkeypatch.setattr(worker_module, "time", _Clock(0.0))
+    worker = app.state.kazeia.worker
+    worker.capacity.observe(1, audio_s=1.0, waited_s=3.0, now=1000.0)  # alone at a third of real time
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=HOLD_S) as client:
+        health = client.get("/health").json()
+        assert health["admission"] == admission and health["paces"] == {"1": 0.333}
+        assert health["admits"] == (1 if admission == "measured" else 2)
+        assert _metric(client, "kazeia_streams_admitted_at_most") == health["admits"]
+        with HeldJobs(as_client=False) as gate, client.stream("POST", "/v1/audio/speech", json=SPEECH) as answer:
+            chunks = answer.iter_bytes()
+            next(chunks)
+            gate.wait_held()
+            assert client.get("/health").json()["behind"] == 0
+            second = client.post("/v1/audio/speech", json=SPEECH) if admission == "measured" else None
+            if second is not None:
+                assert second.status_code == 503 and second.json()["error"]["code"] == "at_capacity"
+                gate.release()
+            else:
+                with client.stream("POST", "/v1/audio/speech", json=SPEECH) as let_in:
+                    assert let_in.status_code == 200
+                    gate.release()
+                    assert b"".join(let_in.iter_bytes())
+            for _ in chunks:
+                pass
+
+
+@pytest.mark.parametrize("step, measured", [(10.0, True), (0.0, False)])
+def test_each_chunk_a_server_waits_for_is_evidence_of_its_pace(engines, monkeypatch, step, measured):
+    """The worker times each chunk it waits for: with a clock that jumps 10 s at every reading, an
+    utterance spoken alone shows a pace far below real time; with one that stands still, no time
+    was waited and nothing is learnt."""
+    app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", max_batch=2))
+    monkeypatch.setattr(worker_module, "time", _Clock(step))
+    with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=HOLD_S) as client:
+        assert client.post("/v1/audio/speech", json=SPEECH).status_code == 200
+        paces = client.get("/health").json()["paces"]
+    if measured:
+        assert set(paces) == {"1"} and paces["1"] < 0.1  # <= 12 frames (0.96 s) over >= 10 s waits
+    else:
+        assert paces == {}

@@ -442,6 +442,30 @@ def test_the_queue_is_bounded(engines, max_batch):
     assert error.code == "queue_full" and "busy" in error.text
 
 
+def test_one_stream_too_many_for_the_measured_pace_is_refused(engines):
+    """The admission of `kazeia serve` holds here too: with the server's streams measured at a third
+    of real time alone, a second utterance while one speaks is refused (at_capacity)."""
+
+    async def second(live) -> Error:
+        first, other = live.client(), live.client()
+        await first.connect()
+        await other.connect()
+        try:
+            await first.write_event(Synthesize(text="Wait for it.").event())
+            await read_until(first, "audio-chunk")  # speaking, held at the gate
+            live.service.worker.capacity.observe(1, 1.0, 3.0, time.perf_counter())
+            await other.write_event(Synthesize(text="And me?").event())
+            return Error.from_event((await read_until(other, "error"))[-1])
+        finally:
+            await first.disconnect()
+            await other.disconnect()
+
+    settings = dict(seed=1, sampling=dict(ignore_eos=True, max_new_tokens=600))
+    with HeldJobs(), serve(engines["0.6B-custom"], settings, max_batch=2) as live:
+        error = asyncio.run(second(live))
+    assert error.code == "at_capacity" and "fall behind real time" in error.text
+
+
 def test_kazeia_wyoming_command(tiny_checkpoints, engines, tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "kazeia", "wyoming", "--model", str(tiny_checkpoints["0.6B-custom"])]

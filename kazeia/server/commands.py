@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 
 from ..options import SynthesisOptions
-from .config import Limits, ServerConfig, WyomingSettings
+from .config import ADMISSIONS, Limits, ServerConfig, WyomingSettings
 
 WYOMING_HELP = {  # what a Wyoming server's options mean there, where it differs from `kazeia say`
     "voice": "voice when a request names none (default: the first one listed)",
@@ -128,9 +128,12 @@ def _server_args(p: argparse.ArgumentParser, websocket: bool) -> None:
         ("--max-voices", limits["max_voices"], int, "Base checkpoints: saved voices at most"),
     ]
     p.add_argument(
-        "--refuse-when-behind",
-        action="store_true",
-        help="answer 503 with Retry-After to new utterances while a stream is behind real time",
+        "--admission",
+        choices=ADMISSIONS,
+        default=server["admission"],
+        help="answer 503 with Retry-After to a new utterance: 'measured', while a stream is behind real time "
+        "or where this server's measured pace says one more would not keep it; 'behind', only the first; "
+        "'all', never (but for a full queue) (default: %(default)s)",
     )
     if websocket:
         flags.append(("--ws-idle-timeout", server["ws_idle_s"], float, "seconds an idle WebSocket stays open"))
@@ -232,7 +235,7 @@ def server_config(args, name: str | None, **only) -> ServerConfig:
         text_deadline=args.text_deadline,
         max_connections=args.max_connections,
         max_batch=args.max_batch,
-        refuse_when_behind=args.refuse_when_behind,
+        admission=args.admission,
         **only,
     )
 

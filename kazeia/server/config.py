@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from ..options import SynthesisOptions
 from ..streaming import ChunkSchedule
 
+ADMISSIONS = ("measured", "behind", "all")  # ServerConfig.admission
 DEFAULT_VOICES_DIR = "voices"  # relative to the working directory of the server
 
 
@@ -123,11 +124,13 @@ class ServerConfig:
     # 4: with several clients on 2 cores their first audio comes seconds sooner and ~1.5x the audio
     # is spoken in all; a lone client loses nothing measurable (docs/server.md, BENCHMARKS.md).
     max_batch: int = 4
-    # Refuse a new utterance (503 + Retry-After) while a stream is behind real time (its listener
-    # behind a 250 ms buffer would be waiting): the listeners already served keep their pace, at
-    # the price of refusals a client must retry. Off by default: a refusal is an error to a client
-    # that does not retry.
-    refuse_when_behind: bool = False
+    # Who is let in (server/worker.py; refused: 503 + Retry-After, code at_capacity): "measured"
+    # refuses a new utterance while a stream is behind real time (its listener, behind a 250 ms
+    # buffer, would be waiting) or when the pace this server's own streams have shown says one more
+    # would not keep real time (server/capacity.py); "behind" only the first; "all" neither (the
+    # queue's bound alone). The listeners already served keep their pace, at the price of refusals
+    # a client must retry (or a router sends elsewhere).
+    admission: str = "measured"
 
     @property
     def schedule(self) -> ChunkSchedule:
@@ -145,6 +148,8 @@ class ServerConfig:
         most = self.max_chunk_frames
         if most is not None and (isinstance(most, bool) or not isinstance(most, int) or most < 1):
             raise ValueError(f"max_chunk_frames must be an integer >= 1 or None, got {most!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if self.max_batch > MAX_BATCH:
             raise ValueError(f"max_batch must be at most {MAX_BATCH}, got {self.max_batch}")
         for name in ("text_timeout", "text_deadline", "ws_idle_s"):

@@ -38,6 +38,10 @@ async def health(request: Request) -> dict:
         "active": worker.active,  # admitted and not finished
         "queue_depth": worker.queue_depth,  # waiting for a serving thread
         "behind": worker.behind,  # streams behind real time now (a 250 ms playout buffer would be dry)
+        "admission": s.config.admission,
+        "admits": worker.admits,  # utterances at once the admission lets in now
+        # audio seconds per second waited, by utterances spoken at once (server/capacity.py)
+        "paces": {str(n): round(pace, 3) for n, pace in worker.paces().items()},
     }
 
 

@@ -77,11 +77,13 @@ class ResponseTooLarge(Exception):
 
 
 class Busy(Exception):
-    """The queue is full; `retry_after` is a whole number of seconds to wait."""
+    """No room for another utterance; `retry_after` is a whole number of seconds to wait. `code`:
+    "queue_full", or "at_capacity" (one more stream would not keep real time: server/capacity.py)."""
 
-    def __init__(self, retry_after: int):
-        super().__init__(f"the server is busy; retry after {retry_after} s")
-        self.retry_after = retry_after
+    def __init__(self, retry_after: int, code: str = "queue_full"):
+        why = "its queue is full" if code == "queue_full" else "one more stream would fall behind real time"
+        super().__init__(f"the server is busy ({why}); retry after {retry_after} s")
+        self.retry_after, self.code = retry_after, code
 
 
 class Job:

@@ -96,9 +96,15 @@ class Histogram:
 
 
 class ServerMetrics:
-    """Everything `GET /metrics` reports; `queue_depth` and `active` are read at scrape time."""
+    """Everything `GET /metrics` reports; the gauges' functions are read at scrape time."""
 
-    def __init__(self, queue_depth: Callable[[], int], active: Callable[[], int], behind: Callable[[], int]):
+    def __init__(
+        self,
+        queue_depth: Callable[[], int],
+        active: Callable[[], int],
+        behind: Callable[[], int],
+        admits: Callable[[], int],
+    ):
         self.requests = Counter("kazeia_requests_total", "Speech requests received (WebSocket: texts).", ("route",))
         self.errors = Counter(
             "kazeia_request_errors_total", "Requests refused or failed, by HTTP status.", ("route", "status")
@@ -133,6 +139,11 @@ class ServerMetrics:
             Gauge("kazeia_streams_active", "Utterances admitted and not finished (waiting or generating).", active),
             Gauge("kazeia_queue_depth", "Utterances waiting for the worker.", queue_depth),
             Gauge("kazeia_streams_behind", "Utterances behind real time now (a 250 ms buffer would be dry).", behind),
+            Gauge(
+                "kazeia_streams_admitted_at_most",
+                "Utterances at once the admission lets in now (measured: what the server's pace holds).",
+                admits,
+            ),
         )
 
     def render(self) -> str:

@@ -79,7 +79,7 @@ def _refuse_if_full(worker: Worker) -> None:
 
 
 def _queue_full(busy: Busy) -> ApiError:
-    return ApiError(503, str(busy), code="queue_full", headers={"Retry-After": str(busy.retry_after)})
+    return ApiError(503, str(busy), code=busy.code, headers={"Retry-After": str(busy.retry_after)})
 
 
 async def _cancel_when_gone(request: Request, job: Job) -> None:

@@ -39,8 +39,8 @@ def build_state(engine: Engine, config: ServerConfig) -> ServerState:
     if it cannot be); other checkpoints never touch that directory."""
     voices = VoiceStore(config.voices_path, engine, config.limits) if engine.model_type == "base" else None
     metrics = ServerMetrics(
-        queue_depth=lambda: worker.queue_depth, active=lambda: worker.active, behind=lambda: worker.behind
+        lambda: worker.queue_depth, lambda: worker.active, lambda: worker.behind, lambda: worker.admits
     )
-    worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch, config.refuse_when_behind)
+    worker = Worker(engine, config.queue_size, config.schedule, metrics, config.max_batch, config.admission)
     uploads = asyncio.Semaphore(config.limits.max_uploads)
     return ServerState(engine, config, worker, metrics, available_formats(), voices, uploads)

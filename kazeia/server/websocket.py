@@ -250,7 +250,7 @@ class _Session:
             try:
                 self.worker.submit(job)
             except Busy as busy:
-                await self.fail(utterance, ApiError(503, str(busy), code="queue_full"))
+                await self.fail(utterance, ApiError(503, str(busy), code=busy.code))
                 self.rearm()
                 continue
             utterance.job, self.current = job, utterance

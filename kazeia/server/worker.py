@@ -11,6 +11,11 @@ With `max_batch` N > 1, N serving threads take jobs from the one queue, first co
 and their streams' frame steps run batched in one `Scheduler` (kazeia/scheduler.py): each
 utterance's codes and audio are those it would have alone. N = 1 is one thread and no scheduler,
 the engine's own streams.
+
+Admission (`admission`): "all" takes every job the queue has room for; "behind" also refuses
+(`Busy`, code at_capacity) while a stream is behind real time; "measured", the default, also
+refuses one that the pace measured of this server's own streams says would not keep real time
+(server/capacity.py: every chunk a serving thread waits for is evidence).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ..live import TextTimeout
 from ..runaway import CANCELLED
 from ..scheduler import Scheduler
 from ..streaming import ChunkSchedule, SpeechStream
+from .capacity import Capacity
 from .job import PLAYOUT_S, Busy, Job, JobRecord, Outcome, ResponseTooLarge
 from .metrics import ServerMetrics
 
@@ -44,10 +50,11 @@ class Worker:
         schedule: ChunkSchedule,
         metrics: ServerMetrics,
         max_batch: int = 1,
-        refuse_when_behind: bool = False,
+        admission: str = "all",
     ):
         self.engine, self.schedule, self.metrics = engine, schedule, metrics
-        self.max_batch, self.refuse_when_behind = max_batch, refuse_when_behind
+        self.max_batch, self.admission = max_batch, admission
+        self.capacity = Capacity(max_batch)
         self.records: deque[JobRecord] = deque(maxlen=256)
         self._jobs: queue.Queue[Job] = queue.Queue(maxsize=queue_size)
         self._current: set[Job] = set()
@@ -70,14 +77,38 @@ class Worker:
 
     def check_room(self) -> None:
         """Busy if a job submitted now would be refused (nothing is reserved: submit may still be):
-        the queue is full, or (`refuse_when_behind`) a stream is behind real time, which one more
-        would only hold back further."""
-        if self._jobs.full() or (self.refuse_when_behind and self.behind):
+        the queue is full, or the admission refuses one more stream."""
+        if self._jobs.full():
             raise Busy(self.retry_after())
+        self._admit()
+
+    def _admit(self) -> None:
+        """Busy (at_capacity) where `admission` refuses one more stream (module docstring): one
+        behind real time now would only be held back further; one too many for the measured pace
+        would put them all behind."""
+        if self.admission == "all":
+            return
+        more = min(self.active + 1, self.max_batch)  # past max_batch it waits in the queue
+        if self.behind or (self.admission == "measured" and not self.capacity.holds(more, time.perf_counter())):
+            raise Busy(self.retry_after(), "at_capacity")
+
+    @property
+    def admits(self) -> int:
+        """Utterances at once that the admission lets in now, at most max_batch (the live C)."""
+        if self.admission == "all":
+            return self.max_batch
+        if self.behind:
+            return max(1, self.active)
+        if self.admission == "behind":
+            return self.max_batch
+        return self.capacity.most_held(time.perf_counter())
+
+    def paces(self) -> dict[int, float]:
+        """The measured pace of each number of utterances at once (server/capacity.py)."""
+        return self.capacity.paces(time.perf_counter())
 
     def submit(self, job: Job) -> None:
-        if self.refuse_when_behind and self.behind:
-            raise Busy(self.retry_after())
+        self._admit()
         with self._lock:
             try:
                 self._jobs.put_nowait(job)
@@ -148,7 +179,7 @@ class Worker:
                     self._current.discard(job)
 
     def _serve(self, job: Job) -> None:
-        started = time.perf_counter()
+        started = waited_from = time.perf_counter()
         queue_s = started - job.arrived
         self.metrics.queue_wait.observe(queue_s)
         if job.cancelled:
@@ -164,6 +195,7 @@ class Worker:
                 for chunk in stream:
                     if job.cancelled:
                         break
+                    self._evidence(job, len(chunk.audio), waited_from)
                     data = job.encoder.encode(chunk.audio)
                     if job.encoder.held > job.max_held:
                         raise ResponseTooLarge(job.encoder.held, job.max_held)
@@ -179,6 +211,7 @@ class Worker:
                     if len(job.request.parts) > 1:  # a long text: each segment as soon as its audio is out
                         for segment in chunk.segments:
                             job.put(segment)
+                    waited_from = time.perf_counter()  # the next chunk's wait starts (not the client's)
             segments = tuple(stream.segments)
             if job.cancelled:
                 outcome = Outcome("cancelled", samples, queue_s, ttfb, None, finish_reason=CANCELLED, segments=segments)
@@ -198,6 +231,15 @@ class Worker:
             message = str(error) if code is not None else f"generation failed (utterance {job.id}; see the server log)"
             outcome = Outcome("failed", samples, queue_s, ttfb, None, message, code)
         self._end(job, outcome, frames=0 if stream is None else stream.frames_generated)
+
+    def _evidence(self, job: Job, samples: int, waited_from: float) -> None:
+        """A chunk of `samples` came out of `job`'s stream after waiting since `waited_from`: the
+        pace of the utterances being spoken now (live text waits for its client: no evidence)."""
+        if job.request.live is None and samples:
+            with self._lock:
+                level = len(self._current)
+            now = time.perf_counter()
+            self.capacity.observe(level, samples / SAMPLE_RATE, now - waited_from, now)
 
     def _end(self, job: Job, outcome: Outcome, frames: int) -> None:
         job.made_all = True

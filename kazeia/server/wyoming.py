@@ -313,7 +313,7 @@ class Connection(AsyncEventHandler):
         try:
             self.service.worker.submit(job)
         except Busy as busy:
-            raise ApiError(503, str(busy), code="queue_full") from None
+            raise ApiError(503, str(busy), code=busy.code) from None
         utterance.job = job
         try:
             await self._send(AudioStart(SAMPLE_RATE, WIDTH, CHANNELS, timestamp=0).event())
