@@ -170,7 +170,7 @@ def _chart(levels: list[Level], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("--png needs matplotlib (pip install matplotlib)") from None
+        raise SystemExit("--png needs matplotlib: pip install 'kazeia[benchmarks]'") from None
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     c = [level.clients for level in levels]
     left.plot(c, [level.ttfa_p50_s for level in levels], "o-", label="p50")

@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,6 +31,7 @@ PRECISIONS = ["float32", "bfloat16", "float16", "int8", "int4"]
 CONFIGS = [*PRECISIONS, "int8/bfloat16"]  # and a reduced vocoder
 QUALITY = ["bfloat16", "float16", "int8", "int4", "q4_k_m", "q4_k_m/exact", "bfloat16/bfloat16"]
 TINY = ["--tiny", "--size", "0.6B"]
+CHART = Path(tempfile.gettempdir()) / f"kazeia-qualify-{os.getpid()}.png"  # qualify.py's chart
 
 
 def free_port() -> int:
@@ -56,7 +58,7 @@ SMOKE = {  # script -> its arguments for a smoke run (the longest first)
     "conv8.py": ["--tiny", "--rounds", "1", "--threads", "1,2"],
     "scale_out.py": [*TINY, "--clients", "1", "--requests", "1", "--frames", "2", "--rounds", "1"],
     "qualify.py": [*TINY, "--dtype", "int8", "--levels", "1,2", "--requests", "1", "--frames", "3", "--port",
-                   str(free_port()), "--admission", "all"],  # every request answered, however slow the machine
+                   str(free_port()), "--admission", "all", "--png", str(CHART)],  # every request answered
 }  # fmt: skip
 
 
@@ -216,6 +218,10 @@ def test_qualify(runs):
     levels = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
     assert [(row[0], row[1], row[2]) for row in levels] == [("1", "1", "0"), ("2", "2", "0")], out
     assert "C_max = " in out and "int8" in out, out
+    try:
+        assert CHART.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart of first audio and stalls
+    finally:
+        CHART.unlink(missing_ok=True)
 
 
 def test_scale_out(runs):
