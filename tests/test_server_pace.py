@@ -150,17 +150,19 @@ def test_the_measured_pace_refuses_one_stream_too_many(engines, monkeypatch, adm
                 pass
 
 
-@pytest.mark.parametrize("step, measured", [(10.0, True), (0.0, False)])
-def test_each_chunk_a_server_waits_for_is_evidence_of_its_pace(engines, monkeypatch, step, measured):
-    """The worker times each chunk it waits for: with a clock that jumps 10 s at every reading, an
-    utterance spoken alone shows a pace far below real time; with one that stands still, no time
-    was waited and nothing is learnt."""
+@pytest.mark.parametrize("step, frames, measured", [(10.0, 11, True), (0.0, 11, False), (10.0, 1, False)])
+def test_each_chunk_a_server_waits_for_is_evidence_of_its_pace(engines, monkeypatch, step, frames, measured):
+    """The worker times each chunk it waits for after the first (which waits for the prompt): with a
+    clock that jumps 10 s at every reading, an utterance spoken alone shows a pace far below real
+    time; with one that stands still, no time was waited and nothing is learnt; nor from a
+    one-frame utterance, whose one chunk is its first."""
     app = create_app(engines["0.6B-custom"], ServerConfig("tiny-custom", max_batch=2))
     monkeypatch.setattr(worker_module, "time", _Clock(step))
     with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=HOLD_S) as client:
-        assert client.post("/v1/audio/speech", json=SPEECH).status_code == 200
+        spoken = client.post("/v1/audio/speech", json={**SPEECH, "max_new_tokens": frames + 1})
+        assert spoken.status_code == 200 and len(spoken.content) == frames * 1920 * 2
         paces = client.get("/health").json()["paces"]
     if measured:
-        assert set(paces) == {"1"} and paces["1"] < 0.1  # <= 12 frames (0.96 s) over >= 10 s waits
+        assert set(paces) == {"1"} and paces["1"] < 0.1  # 10 frames (0.8 s) over >= 10 s waits
     else:
         assert paces == {}

@@ -1,7 +1,9 @@
 """How many utterances this server keeps in real time, as its own streams show it (`Capacity`).
 
-Every chunk a worker thread takes from its stream is evidence: the seconds of audio in it against
-the seconds the thread waited for it, at the number of utterances being spoken then (the level).
+Every chunk a worker thread takes from its stream after the first is evidence: the seconds of audio
+in it against the seconds the thread waited for it, at the number of utterances being spoken then
+(the level). A stream's first chunk waits for its prompt, a cost its listener meets as the time to
+first audio, not as a stall; the prompt's load on the others shows in their chunks.
 A level's pace, audio seconds per second waited over its recent chunks, is what its listeners
 get: below 1 they run dry. A stream never gets faster for having more beside it (they share the
 same cores; batching only makes sharing cheaper), so a level measured slower than real time rules

@@ -15,7 +15,8 @@ the engine's own streams.
 Admission (`admission`): "all" takes every job the queue has room for; "behind" also refuses
 (`Busy`, code at_capacity) while a stream is behind real time; "measured", the default, also
 refuses one that the pace measured of this server's own streams says would not keep real time
-(server/capacity.py: every chunk a serving thread waits for is evidence).
+(server/capacity.py: every chunk a serving thread waits for after a stream's first audio is
+evidence; the first waits for the prompt, which the first-audio bound judges apart).
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ class Worker:
                 for chunk in stream:
                     if job.cancelled:
                         break
-                    self._evidence(job, len(chunk.audio), waited_from)
+                    if samples:  # a stream's first audio waits for its prompt: not its pace
+                        self._evidence(job, len(chunk.audio), waited_from)
                     data = job.encoder.encode(chunk.audio)
                     if job.encoder.held > job.max_held:
                         raise ResponseTooLarge(job.encoder.held, job.max_held)
