@@ -119,16 +119,24 @@ INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
 struct unpacked256 {
     __m256i low, high, steps;
 };
-INLINE struct unpacked256 unpack256(const uint8_t *w, const uint8_t *gs, long u) {
+INLINE struct unpacked256 unpack256(const uint8_t *w, __m256i steps, long u) {
     const __m256i mask = _mm256_set1_epi8(0x0f);
     __m256i raw = _mm256_loadu_si256((const __m256i *)(w + u * 32));
     if (u & 1) _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
-    uint16_t two;
-    memcpy(&two, gs + 2 * u, sizeof two);
-    __m256i steps = _mm256_shuffle_epi8(_mm256_set1_epi16((short)two),
-                                        _mm256_set_epi8(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
-                                                        -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
     return (struct unpacked256){_mm256_and_si256(raw, mask), _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask), steps};
+}
+/* The steps of unit u and, where `two`, u + 1 (2 or 4 groups, one load) widened to int16, one group
+   per 128-bit lane: unit u's in first, u + 1's in second (measured, Zen 3: a one-row product ~5 %
+   faster than widening each unit's two steps on their own). */
+INLINE void steps256(const uint8_t *gs, long u, const int two, __m256i *first, __m256i *second) {
+    int32_t four = 0;
+    memcpy(&four, gs + 2 * u, two ? 4 : 2);
+    const __m256i all = _mm256_set1_epi32(four);
+    *first = _mm256_shuffle_epi8(all, _mm256_set_epi8(-1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1,
+                                                      -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0, -1, 0));
+    if (two)
+        *second = _mm256_shuffle_epi8(all, _mm256_set_epi8(-1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3, -1, 3,
+                                                           -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2, -1, 2));
 }
 INLINE __m256i dot256(struct unpacked256 k, const int8_t *x, long u) {
     __m256i first = _mm256_maddubs_epi16(k.low, _mm256_loadu_si256((const __m256i *)(x + u * UNIT)));
@@ -144,8 +152,10 @@ INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
     for (long b = 0, u = 0; b < blocks; b++) {
         __m256i acc[TILE];
         for (int i = 0; i < n; i++) acc[i] = _mm256_setzero_si256();
+        __m256i steps[2];
+        steps256(gs, u, per_block == 2, &steps[0], &steps[1]);
         for (long k = 0; k < per_block; k++, u++) {
-            struct unpacked256 unit = unpack256(w, gs, u);
+            struct unpacked256 unit = unpack256(w, steps[k], u);
             for (int i = 0; i < n; i++) acc[i] = _mm256_add_epi32(acc[i], dot256(unit, p + i * cols, u));
         }
         for (int i = 0; i < n; i++)
