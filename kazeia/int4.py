@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import cpu
-from .matmul import matrix_product, replace_linears
+from .matmul import replace_linears
 from .placement import product_threads
 from .products import ProductSpec, RowProduct, address, check
 
@@ -235,8 +235,11 @@ class Int4Linear(nn.Module):
 
 
 class HeadLinear(nn.Module):
-    """An output head (logits): bfloat16 weights, float32 activations and sums, in gemv.c's
-    `gemv_wide` for one or two rows (`matmul.matrix_product` on the widened weight for more)."""
+    """An output head (logits), or a product int4 keeps in bfloat16: bfloat16 weights, float32
+    activations and sums, in gemv.c's `gemm_wide`, each row reduced as alone (a prompt's rows
+    split over the calling thread's team, the same results sooner)."""
+
+    splits_rows = True  # a prompt's product on the calling thread's team (kazeia/products.py)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL):
         super().__init__()
@@ -251,23 +254,22 @@ class HeadLinear(nn.Module):
         return self.weight_bits.view(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = matrix_product(rows, self.weight.float(), self.bias) if rows.shape[0] > 2 else self._gemv(rows)
-        return y.view(*x.shape[:-1], self.out_features)
+        return self._gemm(x).view(*x.shape[:-1], self.out_features)
 
     def row_product(self) -> RowProduct:
-        """`gemv_wide` on any number of rows, each reduced as alone (kazeia/products.py)."""
-        return self._gemv
+        """`gemm_wide` on any number of rows, each reduced as alone (kazeia/products.py)."""
+        return self._gemm
 
-    def _gemv(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (m, in) -> (m, out) float32 through gemv.c's `gemv_wide`."""
-        rows = rows.reshape(-1, self.in_features).float().contiguous()
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> (m, out) float32 through gemv.c's `gemm_wide`."""
+        rows = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         if rows.shape[0] == 0:
             return y
-        status = self.lib.gemv_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),
-                                    self.out_features, self.in_features, rows.shape[0])  # fmt: skip
-        check(status, f"the bfloat16 head product of {rows.shape[0]} rows")
+        status = self.lib.gemm_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),
+                                    self.out_features, self.in_features, rows.shape[0],
+                                    product_threads(rows.shape[0]))  # fmt: skip
+        check(status, f"the bfloat16 product of {rows.shape[0]} rows")
         return y
 
     def product_spec(self, dtype: torch.dtype) -> tuple | None:

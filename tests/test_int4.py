@@ -120,6 +120,24 @@ def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads, outputs):
     assert cpu.native_threads() == 1
 
 
+@pytest.mark.parametrize("threads, outputs, cols", [(1, 200, 96), (2, 200, 3072), (3, 37, 1000), (500, 7, 64)])
+def test_a_bfloat16_product_gives_each_row_its_one_row_sums(threads, outputs, cols):
+    """HeadLinear (gemv.c's gemm_wide): every row of a product of many (a prompt's, its weight
+    rows split over the team's threads) is that row's product alone, bit for bit, for any split
+    and any width (a width that is no multiple of the vectors included), and the float product of
+    the bfloat16 weights within float32 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(outputs, cols, generator=gen), torch.randn(outputs, generator=gen)
+    head = HeadLinear(weight, bias, LIB)
+    x = torch.randn(SPLIT_MIN_ROWS + 9, cols, generator=gen)
+    alone = torch.cat([head(row[None]) for row in x])
+    with cpu.team(threads, openmp=False):
+        assert torch.equal(head(x), alone) and torch.equal(head(x[:5].view(5, 1, cols)), alone[:5].view(5, 1, -1))
+    ref = x.double() @ weight.to(torch.bfloat16).double().T + bias.double()
+    assert float((alone.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
+    assert head(x[:0]).shape == (0, outputs)
+
+
 def test_special_activations():
     linear = Int4Linear.from_float(torch.randn(16, 128), None, LIB)
     assert torch.equal(linear(torch.zeros(1, 128)), torch.zeros(1, 16))

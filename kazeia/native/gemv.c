@@ -1,4 +1,5 @@
-/* Single-threaded products of a few activation rows with a weight matrix, for decoding steps:
+/* Products of a few activation rows with a weight matrix, for decoding steps (single-threaded;
+   `gemm_wide` also splits a prompt's weight rows over threads):
    y[i][r] = sum over c of x[i][c] * w[r][c], i < m, r < rows; w is row-major (rows, cols), as a
    Linear stores it; x and y are m rows of cols and rows values. m is 1 or 2 for one sequence's
    step, up to MAX_ROWS for a batched step of several requests (kazeia/batch.py).
@@ -29,6 +30,7 @@
 #endif
 
 #include "dtypes.h"
+#include "jobs.h"
 
 /* Which instructions this build uses, for tests and logs: 512 (AVX-512), 256 (AVX2 + FMA) or 0. */
 int gemv_vector_bits(void) {
@@ -227,19 +229,61 @@ int gemv(const void *w, const void *x, const void *bias, void *y, long rows, lon
     return 0;
 }
 
+/* One thread's share of gemm_wide: weight rows [first, last). */
+struct wide_job {
+    const void *w;
+    int wdt;
+    const float *x, *bias;
+    float *y;
+    long rows, cols, m, first, last;
+};
+
+/* Weight rows per pass over the activation pairs: they stay in the second-level cache while a pair
+   (two rows of cols floats) stays in the first (a prompt's 27 x 3072 -> 1024 read its weights
+   from memory once per pair without it). */
+enum { WIDE_ROWS = 16 };
+
+static void *wide_job_run(void *arg) {
+    const struct wide_job *j = arg;
+    const long width = j->wdt == F32 ? 4 : 2;
+    for (long r0 = j->first; r0 < j->last; r0 += WIDE_ROWS) {
+        const long r1 = r0 + WIDE_ROWS < j->last ? r0 + WIDE_ROWS : j->last;
+        for (long i = 0; i < j->m; i += 2) {
+            const int pair = j->m - i < 2 ? (int)(j->m - i) : 2;
+            for (long r = r0; r < r1; r++) {
+                float sums[2];
+                row_dot_any((const char *)j->w + r * j->cols * width, j->wdt, j->x + i * j->cols, pair, j->cols, sums);
+                for (int k = 0; k < pair; k++) j->y[(i + k) * j->rows + r] = sums[k] + (j->bias ? j->bias[r] : 0.0f);
+            }
+        }
+    }
+    return NULL;
+}
+
+enum { WIDE_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
+
 /* y (m x rows, float32) = x (m x cols, float32) @ w.T (w: rows x cols of wdt) [+ bias (rows,
    float32)]: weights kept narrow, activations and results not rounded (kazeia/int4.py's output
-   heads). Same summation as `gemv` (row_dot, rows in pairs). Returns 0, or -1 for an m it does
-   not take. */
+   heads, and the talker's down projections int4 keeps in bfloat16). Same summation as `gemv`
+   (row_dot, activation rows in pairs): each row's result is that of m = 1, whatever m, the weight
+   rows' split over `threads` threads (a prompt's product) or the order they are taken in. Returns
+   0, or -1 for a shape it does not take. */
+int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
+              int threads) {
+    if (m < 1 || rows < 1 || cols < 1) return -1;
+    if (threads > WIDE_THREADS) threads = WIDE_THREADS;
+    if (threads > rows) threads = (int)rows;
+    if (threads < 1) threads = 1;
+    struct wide_job jobs[WIDE_THREADS];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (struct wide_job){w, wdt, x, bias, y, rows, cols, m, rows * i / threads, rows * (i + 1) / threads};
+    run_jobs(wide_job_run, jobs, sizeof jobs[0], threads);
+    return 0;
+}
+
+/* gemm_wide on the calling thread alone, for up to MAX_ROWS rows (a decoding step's heads;
+   stack.c calls it too). */
 int gemv_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, int m) {
     if (m < 1 || m > MAX_ROWS) return -1;
-    const long width = wdt == F32 ? 4 : 2;
-    for (long r = 0; r < rows; r++)
-        for (int i = 0; i < m; i += 2) {
-            const int pair = m - i < 2 ? m - i : 2;
-            float sums[2];
-            row_dot_any((const char *)w + r * cols * width, wdt, x + (long)i * cols, pair, cols, sums);
-            for (int j = 0; j < pair; j++) y[(long)(i + j) * rows + r] = sums[j] + (bias ? bias[r] : 0.0f);
-        }
-    return 0;
+    return gemm_wide(w, wdt, x, bias, y, rows, cols, m, 1);
 }
