@@ -21,7 +21,9 @@
 
    Summation, for a given build: blocks in column order into vector lanes (with VNNI, two blocks
    share a vector: tile512), the lanes in a fixed tree, then the offsets (vector lanes over the
-   groups, then a tree) and the bias. The work: one weight row against a tile of up to TILE
+   groups, then a tree) and the bias; with AVX2 the trees and the last steps of 8 weight rows run
+   side by side in one vector (sums8: the same tree in each lane, measured on Zen 3: one-row
+   products ~7 % and two-row ~10 % faster). The work: one weight row against a tile of up to TILE
    activation rows, each unit's codes unpacked and steps widened once for the tile; a row's
    instructions are the same whatever the tile's size or place, so its result depends only on
    that row and the weights, never on m, the other rows or the thread count (batching, prompts and
@@ -169,6 +171,17 @@ struct int4_job {
 
 #include "int4_tiles.h" /* the kernels: one weight row against a tile of activation rows */
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The vector part of offsets_tile with AVX2 (its groups up to the last multiple of 8), left in lanes. */
+INLINE void offsets_lanes256(const int8_t *n8, const float *sums, long groups, const int n, __m256 *acc) {
+    for (int i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
+    for (long g = 0; g + 8 <= groups; g += 8) {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(n8 + g))));
+        for (int i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(sums + i * groups + g), acc[i]);
+    }
+}
+#endif
+
 /* The offsets' term of n activation rows (sums: stride groups): sum over groups of n8[g] * sums[g],
    in vector lanes over the groups in order (16 or 8 lanes; one lane in plain C), then a fixed tree;
    each group's offsets widened once for the tile. */
@@ -184,12 +197,9 @@ INLINE void offsets_tile(const int8_t *n8, const float *sums, long groups, const
     for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[TILE];
-    for (int i = 0; i < n; i++) acc[i] = _mm256_setzero_ps();
-    for (; g + 8 <= groups; g += 8) {
-        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(n8 + g))));
-        for (int i = 0; i < n; i++) acc[i] = _mm256_fmadd_ps(v, _mm256_loadu_ps(sums + i * groups + g), acc[i]);
-    }
+    offsets_lanes256(n8, sums, groups, n, acc);
     for (int i = 0; i < n; i++) out[i] = sum256(acc[i]);
+    g = groups / 8 * 8;
 #else
     for (int i = 0; i < n; i++) out[i] = 0.0f;
 #endif
@@ -226,8 +236,74 @@ INLINE void tile_rows(const struct int4_job *j, long r, long i, const int n) {
     for (int k = 0; k < n; k++) j->y[(i + k) * j->rows + r] = d * dots[k] - e * offsets[k] + b;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#define ROWS8 1
+/* sum256 of eight vectors at once: lane r of the result is sum256(v[r]), by the same tree. */
+static inline __m256 sums8(const __m256 v[8]) {
+    __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]);
+    __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]);
+    __m256 a4 = _mm256_unpacklo_ps(v[4], v[5]), a5 = _mm256_unpackhi_ps(v[4], v[5]);
+    __m256 a6 = _mm256_unpacklo_ps(v[6], v[7]), a7 = _mm256_unpackhi_ps(v[6], v[7]);
+    __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xee);
+    __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xee);
+    __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xee);
+    __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xee);
+    /* lane l of v[0..7] as one vector each: t_l */
+    __m256 t0 = _mm256_permute2f128_ps(b0, b4, 0x20), t4 = _mm256_permute2f128_ps(b0, b4, 0x31);
+    __m256 t1 = _mm256_permute2f128_ps(b1, b5, 0x20), t5 = _mm256_permute2f128_ps(b1, b5, 0x31);
+    __m256 t2 = _mm256_permute2f128_ps(b2, b6, 0x20), t6 = _mm256_permute2f128_ps(b2, b6, 0x31);
+    __m256 t3 = _mm256_permute2f128_ps(b3, b7, 0x20), t7 = _mm256_permute2f128_ps(b3, b7, 0x31);
+    /* sum256: halves (l + 4), then quarters (l + 2), then the last pair */
+    __m256 h0 = _mm256_add_ps(t0, t4), h1 = _mm256_add_ps(t1, t5), h2 = _mm256_add_ps(t2, t6), h3 = _mm256_add_ps(t3, t7);
+    return _mm256_add_ps(_mm256_add_ps(h0, h2), _mm256_add_ps(h1, h3));
+}
+
+/* tile_rows for weight rows [r, r + 8) at once (groups a multiple of 8): the same sums, each row's
+   reductions and its last steps done in a vector whose lanes are the 8 weight rows. */
+INLINE void tile_rows8(const struct int4_job *j, long r, long i, const int n) {
+    const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
+    const int8_t *p = j->p + i * cols;
+    const long ts = t_stride(blocks);
+    const float *t = j->t + i * ts;
+    __m256 dots[TILE][8], offsets[TILE][8];
+    for (int q = 0; q < 8; q++) {
+        __m256 f[TILE], o[TILE];
+        const uint8_t *w = j->qw + (r + q) * (cols / 2), *steps = j->gs + (r + q) * groups;
+        if (block == 128)
+            tile256_lanes(w, steps, p, t, ts, cols, 128, n, f);
+        else
+            tile256_lanes(w, steps, p, t, ts, cols, UNIT, n, f);
+        offsets_lanes256(j->gn + (r + q) * groups, j->sums + i * groups, groups, n, o);
+        for (int k = 0; k < n; k++) dots[k][q] = f[k], offsets[k][q] = o[k];
+    }
+    float d[8], e[8], b[8];
+    for (int q = 0; q < 8; q++)
+        d[q] = j->rf[2 * (r + q)], e[q] = j->rf[2 * (r + q) + 1], b[q] = j->bias ? j->bias[r + q] : 0.0f;
+    const __m256 dv = _mm256_loadu_ps(d), ev = _mm256_loadu_ps(e), bv = _mm256_loadu_ps(b);
+    for (int k = 0; k < n; k++) {
+        __m256 y = _mm256_sub_ps(_mm256_mul_ps(dv, sums8(dots[k])), _mm256_mul_ps(ev, sums8(offsets[k])));
+        _mm256_storeu_ps(j->y + (i + k) * j->rows + r, _mm256_add_ps(y, bv));
+    }
+}
+#endif
+
 /* Weight rows [r0, r1) against activation rows [i, i + n), n <= TILE. */
 static void tile_block(const struct int4_job *j, long r0, long r1, long i, long n) {
+#ifdef ROWS8
+    if (r1 - r0 == 8 && (j->cols / GROUP) % 8 == 0) {
+        switch (n) {
+        case 1: tile_rows8(j, r0, i, 1); break;
+        case 2: tile_rows8(j, r0, i, 2); break;
+        case 3: tile_rows8(j, r0, i, 3); break;
+        case 4: tile_rows8(j, r0, i, 4); break;
+        case 5: tile_rows8(j, r0, i, 5); break;
+        case 6: tile_rows8(j, r0, i, 6); break;
+        case 7: tile_rows8(j, r0, i, 7); break;
+        default: tile_rows8(j, r0, i, TILE); break;
+        }
+        return;
+    }
+#endif
     for (long r = r0; r < r1; r++) {
         switch (n) {
         case 1: tile_rows(j, r, i, 1); break;

@@ -143,11 +143,11 @@ INLINE __m256i dot256(struct unpacked256 k, const int8_t *x, long u) {
     __m256i second = _mm256_maddubs_epi16(k.high, _mm256_loadu_si256((const __m256i *)(x + u * UNIT + 32)));
     return _mm256_madd_epi16(_mm256_add_epi16(first, second), k.steps);
 }
-/* tile512 for AVX2's vectors: a block's units' integer lanes added (exact), then converted. */
-INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
-                    long block, const int n, float *out) {
+/* tile512 for AVX2's vectors: a block's units' integer lanes added (exact), then converted; each
+   row's sums left in their lanes (f[i]), for its caller to reduce. */
+INLINE void tile256_lanes(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                          long block, const int n, __m256 *f) {
     const long per_block = block / UNIT, blocks = cols / block;
-    __m256 f[TILE];
     for (int i = 0; i < n; i++) f[i] = _mm256_setzero_ps();
     for (long b = 0, u = 0; b < blocks; b++) {
         __m256i acc[TILE];
@@ -161,6 +161,12 @@ INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
         for (int i = 0; i < n; i++)
             f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_set1_ps(t[i * ts + 2 * b]), f[i]);
     }
+}
+/* tile256_lanes, each row's lanes reduced (sum256). */
+INLINE void tile256(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                    long block, const int n, float *out) {
+    __m256 f[TILE];
+    tile256_lanes(w, gs, p, t, ts, cols, block, n, f);
     for (int i = 0; i < n; i++) out[i] = sum256(f[i]);
 }
 #endif
