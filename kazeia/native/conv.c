@@ -473,9 +473,7 @@ int vconv(const float *x, long x_batch, long ldx, const void *w, const float *bi
     const int panels = uses_dot(n) ? 1 : panel_count(n);
     const double macs = (double)batch * length * n * a.k;
     long most = (long)(macs / MIN_MACS_PER_THREAD);
-    if (threads > most) threads = (int)most;
-    if (threads > MAX_JOBS) threads = MAX_JOBS;
-    if (threads < 1) threads = 1;
+    threads = job_count(threads, most, MAX_JOBS);
     struct conv_job jobs[MAX_JOBS];
     const int by_panels = units < threads && panels >= threads;
     if (!by_panels && threads > units) threads = (int)units;

@@ -161,10 +161,7 @@ int vconv8(const float *x, long x_batch, long ldx, const void *w, const float *b
     const long tiles = batch * ((length + Q8_MR - 1) / Q8_MR);
     const double macs = (double)batch * length * n * taps * cin;
     long most = (long)(macs / Q8_MIN_MACS_PER_THREAD);
-    if (threads > most) threads = (int)most;
-    if (threads > tiles) threads = (int)tiles;
-    if (threads > MAX_JOBS) threads = MAX_JOBS;
-    if (threads < 1) threads = 1;
+    threads = job_count(threads, tiles, most < MAX_JOBS ? most : MAX_JOBS);
     struct q8_job jobs[MAX_JOBS];
     for (int i = 0; i < threads; i++) jobs[i] = (struct q8_job){&c, tiles * i / threads, tiles * (i + 1) / threads, 0};
     run_jobs(q8_job_run, jobs, sizeof jobs[0], threads);

@@ -271,9 +271,7 @@ enum { WIDE_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
 int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
               int threads) {
     if (m < 1 || rows < 1 || cols < 1) return -1;
-    if (threads > WIDE_THREADS) threads = WIDE_THREADS;
-    if (threads > rows) threads = (int)rows;
-    if (threads < 1) threads = 1;
+    threads = job_count(threads, rows, WIDE_THREADS);
     struct wide_job jobs[WIDE_THREADS];
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct wide_job){w, wdt, x, bias, y, rows, cols, m, rows * i / threads, rows * (i + 1) / threads};

@@ -267,10 +267,8 @@ int int8_gemm(const int8_t *q, const float *scales, const float *x, const float 
         return -2;
     }
     for (long i = 0; i < m; i++) steps[i] = int8_quantize_row(x + i * cols, cols, p + i * cols);
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
     const long groups = rows / ROWS;
-    if (threads > groups) threads = (int)groups;
-    if (threads < 1) threads = 1;
+    threads = job_count(threads, groups, MAX_THREADS);
     struct int8_job jobs[MAX_THREADS];
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct int8_job){q, p, scales, steps, bias, y, rows, cols, m,

@@ -11,6 +11,14 @@
 
 enum { MAX_JOBS = 64 };
 
+/* How many jobs to run: the `threads` asked for, at most `most` (the work's own bound: its items,
+   or what is worth a thread) and `cap` (the job array's size), and at least one. */
+static inline int job_count(int threads, long most, long cap) {
+    if (threads > most) threads = (int)most;
+    if (threads > cap) threads = (int)cap;
+    return threads < 1 ? 1 : threads;
+}
+
 static inline void run_jobs(void *(*run)(void *), void *jobs, size_t size, int n) {
     pthread_t ids[MAX_JOBS];
     int started[MAX_JOBS] = {0};

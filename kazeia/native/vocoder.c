@@ -86,9 +86,7 @@ int snake_beta(const float *x, float *y, const float *log_alpha, const float *lo
     }
     const long rows = batch * length;
     long most = rows * channels / MIN_VALUES_PER_THREAD;
-    if (threads > most) threads = (int)most;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads < 1) threads = 1;
+    threads = job_count(threads, most, MAX_THREADS);
     struct snake_job jobs[MAX_THREADS];
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct snake_job){x, factors, factors + channels, y, rows * i / threads, rows * (i + 1) / threads,
