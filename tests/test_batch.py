@@ -132,6 +132,48 @@ def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
         assert torch.equal(together, torch.stack(list(engine.frames(items[i][3]))))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int4"])
+@torch.inference_mode()
+def test_a_kv_cache_position_is_never_read_before_it_is_written(typed, dtype, monkeypatch):
+    """KV caches are allocated without zeroing (layers.KVCache). Filled with NaN instead, every
+    cache read past its last written position would poison the result: a synthesis's audio and a
+    batched step's codes stay what they were with zeroed caches (the talker's and the code
+    predictor's both)."""
+    engine = typed(dtype)
+    step = engine.runtime.step
+
+    def outputs() -> tuple[np.ndarray, list[torch.Tensor]]:
+        options = dict(voice=engine.voices[0], seed=3, do_sample=True, max_new_tokens=12)
+        audio = engine.synthesize(TEXTS[0], **options).audio
+        items = [_prefilled(engine, i, i + 5, 7 + 3 * i) for i in range(3)]
+        live = [i for i in range(3) if items[i][2][-1] is not None]
+        while live:
+            states = [items[i][0] for i in live]
+            texts = [items[i][1].text_at(items[i][0].frames - 1) for i in live]
+            for i, codes in zip(live, step.decode(states, texts), strict=True):
+                items[i][2].append(codes)
+            live = [i for i in live if items[i][2][-1] is not None]
+        return audio, [torch.cat(item[2][:-1]) for item in items]
+
+    def filled(value: float):
+        allocate = KVCache.__init__
+
+        def init(self, *args, **kwargs):
+            allocate(self, *args, **kwargs)
+            self.k.fill_(value)
+            self.v.fill_(value)
+
+        return init
+
+    monkeypatch.setattr(KVCache, "__init__", filled(0.0))
+    zeroed = outputs()
+    monkeypatch.setattr(KVCache, "__init__", filled(float("nan")))
+    poisoned = outputs()
+    assert np.isfinite(poisoned[0]).all() and np.array_equal(poisoned[0], zeroed[0])
+    for a, b in zip(poisoned[1], zeroed[1], strict=True):
+        assert torch.equal(a, b)
+
+
 def _speak(stream, cancel_after: int | None = None):
     """Audio and codes of a stream; with `cancel_after`, closed after that many chunks."""
     pieces = []
