@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ..engine import Engine
+from ..warmup import warm_up
 from .config import ServerConfig
 from .errors import ApiError
 from .guard import AccessGuard
@@ -42,6 +43,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if config.warm_up:  # before the first request is taken (kazeia/warmup.py)
+            await asyncio.to_thread(warm_up, engine)
         worker.start()
         try:
             yield

@@ -40,7 +40,9 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 from ..audio import SAMPLE_RATE
 from ..engine import Engine
 from ..live import TextFeed
+from ..options import SynthesisOptions
 from ..request import Request
+from ..warmup import warm_up
 from .bodies import check_length
 from .config import ServerConfig
 from .errors import ApiError, from_engine
@@ -84,6 +86,8 @@ class WyomingService:
         """Serve `uri` (tcp://HOST:PORT or unix://PATH) until cancelled; `zeroconf`: announce the TCP
         service on the LAN under this name ("" for the machine's), which needs the zeroconf package."""
         server = AsyncServer.from_uri(check_uri(uri))
+        if self.config.warm_up:  # before the first request is taken (kazeia/warmup.py)
+            await asyncio.to_thread(warm_up, self.engine, SynthesisOptions(**self.catalog.defaults))
         self.worker.start()
         try:
             if zeroconf is not None:
