@@ -116,7 +116,7 @@ class KVCache:
     by whole blocks before that: frame.TalkerCache).
 
     The memory is left as allocated: every reader (`view`, kazeia/native's attention) stops at the
-    last position written, so nothing unwritten is ever read (tests/test_layers.py fills it with
+    last position written, so nothing unwritten is ever read (tests/test_batch.py fills it with
     NaN). Zeroing it cost a prompt its whole capacity in writes: a talker's 512 positions are
     117 MB at the real size, ~18 ms on the first frame's path, and as much memory traffic taken
     from the streams already running.

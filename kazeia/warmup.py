@@ -16,9 +16,9 @@ it reaches a later request's bytes: the voice cache holds exactly what a request
 voice's positions always run apart from the text's), and every run draws from its own seeded
 generator.
 
-Non-goals: Base checkpoints' cloned voices (a request brings its reference; a saved voice is
-warmed only when the options name it), and other languages (each speaker and language is cached on
-first use).
+Non-goals: Base checkpoints' cloned voices (a request brings its reference; one is warmed only
+when the options hold it, as a `Voice` or its file), and other languages (each speaker and language
+is cached on first use).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ TEXT = "Hello."
 DESCRIPTION = "A clear, calm voice."  # what a VoiceDesign checkpoint speaks with when the options give none
 
 
-def warm_up(engine: Engine, options: SynthesisOptions | None = None) -> list[str]:
+def warm_up(engine: Engine, options: SynthesisOptions | None = None) -> list:
     """Run the engine once per voice a request may name without bringing one (module docstring):
     `options.voice` if set, else every preset speaker, else the model's own (VoiceDesign, with
-    `options.instruct` or DESCRIPTION). Returns the voices warmed ("" for a described voice); none
-    for a Base checkpoint whose options name no voice. Errors are the engine's (a voice or option
-    it refuses)."""
+    `options.instruct` or DESCRIPTION). Returns the voices warmed, as given (None for a described
+    voice); none for a Base checkpoint whose options hold no voice. Errors are the engine's (a voice
+    or option it refuses)."""
     options = options or SynthesisOptions()
     if options.voice is not None:
         voices: list = [options.voice]
@@ -60,4 +60,4 @@ def warm_up(engine: Engine, options: SynthesisOptions | None = None) -> list[str
             next(frames, None)
         finally:
             frames.close()  # type: ignore[attr-defined]
-    return ["" if voice is None else str(getattr(voice, "name", voice)) for voice in voices]
+    return voices

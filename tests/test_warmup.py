@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kazeia import Engine
+from kazeia.audio import write_audio
 from kazeia.errors import RequestError
 from kazeia.options import SynthesisOptions
 from kazeia.warmup import warm_up
@@ -14,7 +15,7 @@ from kazeia.warmup import warm_up
 TEXT = "A short sentence to speak."
 
 
-def _speech(engine: Engine, voice: str | None, **options) -> np.ndarray:
+def _speech(engine: Engine, voice, **options) -> np.ndarray:
     return engine.synthesize(TEXT, voice=voice, seed=5, do_sample=True, max_new_tokens=10, **options).audio
 
 
@@ -42,13 +43,20 @@ def test_a_warm_up_takes_the_options_voice_and_language(tiny_checkpoints):
         warm_up(engine, SynthesisOptions(voice="nobody-by-this-name"))
 
 
-def test_a_designed_voice_is_warmed_and_a_clone_checkpoint_has_nothing_to_warm(engines, tiny_checkpoints):
+def test_a_designed_voice_is_warmed_and_a_cloned_one_only_when_given(tiny_checkpoints, tmp_path):
     design = Engine.load(tiny_checkpoints["1.7B-design"])
-    assert warm_up(design) == [""]
+    assert warm_up(design) == [None]
     assert len(design.runtime.step.voiced) == 1
     base = Engine.load(tiny_checkpoints["0.6B-base"])
-    assert warm_up(base) == []
+    assert warm_up(base) == []  # a request brings its own voice
     assert len(base.runtime.step.voiced) == 0
+    reference = tmp_path / "reference.wav"
+    write_audio(reference, np.random.default_rng(0).uniform(-0.3, 0.3, 24000).astype(np.float32))
+    voice = base.create_voice(reference, x_vector_only=True)
+    cold = _speech(Engine.load(tiny_checkpoints["0.6B-base"]), voice)
+    assert warm_up(base, SynthesisOptions(voice=voice)) == [voice]
+    assert len(base.runtime.step.voiced) == 1
+    assert np.array_equal(_speech(base, voice), cold)
 
 
 @pytest.mark.parametrize("warm", [True, False])

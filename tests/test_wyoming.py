@@ -467,6 +467,17 @@ def test_one_stream_too_many_for_the_measured_pace_is_refused(engines):
     assert error.code == "at_capacity" and "fall behind real time" in error.text
 
 
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_wyoming_server_warms_its_engine_up_before_it_listens(tiny_checkpoints, warm):
+    """kazeia/warmup.py: every preset speaker's prompt positions are cached before the first
+    connection is accepted (`--no-warm-up`: none)."""
+    from kazeia import Engine
+
+    engine = Engine.load(tiny_checkpoints["0.6B-custom"])
+    with serve(engine, warm_up=warm):
+        assert len(engine.runtime.step.voiced) == (len(engine.voices) if warm else 0)
+
+
 def test_kazeia_wyoming_command(tiny_checkpoints, engines, tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "kazeia", "wyoming", "--model", str(tiny_checkpoints["0.6B-custom"])]
