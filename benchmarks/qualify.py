@@ -11,7 +11,9 @@ answer is whole), then runs in real time; it stalls when the next audio has not 
 Per level: the share of answers that stall at each buffer (100, 250, 500, 1000 ms), the safe play-start
 (the smallest buffer with which the worst answer never stalls), time to first audio (p50, p95) and to
 the response's headers, seconds of audio per wall second over all clients, and errors, refusals
-(503: the server's `--admission`, or its full queue) counted among them and apart. A level *holds*
+(503: the server's `--admission`, or its full queue) counted among them and apart; a refused client
+waits the answer's Retry-After (at most RETRY_CAP_S) before its next request, as a client that
+honours it would. A level *holds*
 with no stall at a 250 ms buffer and first audio within 0.5 s at p95; C_max is the largest that holds.
 `--busy` adds a neighbour process that keeps one core busy. A table on stdout, `--json` the figures,
 `--png` a chart of first audio and stalls against C (matplotlib). Exits 1 when a level had errors
@@ -28,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +42,7 @@ from common import Checkpoints, add_checkpoint_options, machine
 RATE, WIDTH = 24000, 2  # the server's pcm: 16-bit mono at 24 kHz
 BUFFERS = (0.1, 0.25, 0.5, 1.0)  # seconds of audio a player holds before it starts
 HOLDS_BUFFER, HOLDS_TTFA = 0.25, 0.5  # a level holds: no stall at this buffer, first audio p95 within
+RETRY_CAP_S = 30.0  # the longest Retry-After a refused client waits before its next request
 TEXT = "The quick brown fox jumps over the lazy dog, and then it rests in the warm evening sun."
 
 
@@ -49,6 +53,7 @@ class Answer:
     headers_s: float = 0.0
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes so far), per piece
     error: str | None = None
+    retry_after_s: float = 0.0  # a refusal's Retry-After, what its client waits before asking again
 
     @property
     def audio_s(self) -> float:
@@ -98,6 +103,7 @@ async def _ask(http: httpx.AsyncClient, body: dict) -> Answer:
             answer.headers_s = time.perf_counter() - sent
             if response.status_code != 200:
                 answer.error = f"HTTP {response.status_code}"
+                answer.retry_after_s = retry_after(response.headers.get("retry-after"))
                 return answer
             got = 0
             async for piece in response.aiter_raw():
@@ -108,11 +114,35 @@ async def _ask(http: httpx.AsyncClient, body: dict) -> Answer:
     return answer
 
 
-async def _level(url: str, clients: int, requests: int, body: dict) -> tuple[list[Answer], float]:
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600)) as http:
+def retry_after(value: str | None) -> float:
+    """Seconds a Retry-After header asks for (its delay form), within 0..RETRY_CAP_S; 0 without one
+    or for one that is not a number (an HTTP date: this server sends seconds)."""
+    try:
+        seconds = float(value) if value is not None else 0.0
+    except ValueError:
+        return 0.0
+    return min(max(seconds, 0.0), RETRY_CAP_S) if seconds == seconds else 0.0
+
+
+async def _level(
+    url: str,
+    clients: int,
+    requests: int,
+    body: dict,
+    transport: httpx.AsyncBaseTransport | None = None,
+    wait: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> tuple[list[Answer], float]:
+    """`clients` closed-loop clients of `requests` requests each -> every answer, and the wall time.
+    `transport` and `wait` (how a refused client waits): the network's and the clock's, for tests."""
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600), transport=transport) as http:
 
         async def client(k: int) -> list[Answer]:
-            return [await _ask(http, {**body, "seed": 1000 * k + n}) for n in range(requests)]
+            answers = []
+            for n in range(requests):
+                answers.append(await _ask(http, {**body, "seed": 1000 * k + n}))
+                if answers[-1].retry_after_s and n + 1 < requests:
+                    await wait(answers[-1].retry_after_s)  # refused: asked to come back later
+            return answers
 
         started = time.perf_counter()
         answers = await asyncio.gather(*(client(k) for k in range(clients)))

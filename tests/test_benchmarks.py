@@ -264,3 +264,37 @@ def test_the_lowest_instruction_set_runs_every_precision(runs):
     assert '"isa": "portable"' in out
     for config in CONFIGS:
         assert any(line.split()[:1] == [config] for line in out.splitlines()), (config, out[-3000:])
+
+
+def test_a_refused_qualification_client_waits_the_retry_after_before_asking_again(monkeypatch):
+    """qualify.py's clients honour a refusal's Retry-After (bounded): the next request of a refused
+    client goes out only after its wait, which the test's clock records instead of sleeping."""
+    pytest.importorskip("httpx")
+    import asyncio
+
+    import httpx
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import qualify
+
+    assert [qualify.retry_after(v) for v in ("7", "2.5", "-1", "nan", "Wed, 21 Oct 2026 07:28:00 GMT", None)] == [
+        7.0, 2.5, 0.0, 0.0, 0.0, 0.0,
+    ]  # fmt: skip
+    assert qualify.retry_after("3600") == qualify.RETRY_CAP_S
+    seen: list[str] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        seen.append(f"request {json.loads(request.content)['seed']}")
+        if len(seen) == 1:
+            return httpx.Response(503, headers={"Retry-After": "7"}, json={"error": {"code": "at_capacity"}})
+        return httpx.Response(200, stream=httpx.ByteStream(b"\0\0" * 1920))
+
+    async def wait(seconds: float) -> None:
+        seen.append(f"wait {seconds:g}")
+
+    answers, _ = asyncio.run(
+        qualify._level("http://q", 1, 3, {"input": "x"}, transport=httpx.MockTransport(server), wait=wait)
+    )
+    assert seen == ["request 0", "wait 7", "request 1", "request 2"]
+    assert [a.error for a in answers] == ["HTTP 503", None, None]
+    assert [a.audio_s for a in answers] == [0.0, 0.08, 0.08]
