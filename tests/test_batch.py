@@ -96,6 +96,17 @@ def _prefilled(engine: Engine, i: int, seed: int, frames: int):
     return state, prompt, [codes], request
 
 
+def _step_together(step: FrameStep, items: list) -> None:
+    """Step `_prefilled` requests together, each leaving at its own end (None appended to its codes)."""
+    live = [i for i, item in enumerate(items) if item[2][-1] is not None]
+    while live:
+        states = [items[i][0] for i in live]
+        texts = [items[i][1].text_at(items[i][0].frames - 1) for i in live]
+        for i, codes in zip(live, step.decode(states, texts), strict=True):
+            items[i][2].append(codes)
+        live = [i for i in live if items[i][2][-1] is not None]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", INT8, "int4"])
 @pytest.mark.parametrize("name", ["0.6B-custom", "1.7B-custom"])
 @torch.inference_mode()
@@ -119,13 +130,7 @@ def test_a_batched_step_gives_each_request_its_solo_codes(typed, dtype, name):
         return torch.cat(made[:-1])
 
     items = [_prefilled(engine, i, i + 5, frames[i]) for i in range(4)]
-    live = [i for i in range(4) if items[i][2][-1] is not None]
-    while live:
-        states = [items[i][0] for i in live]
-        texts = [items[i][1].text_at(items[i][0].frames - 1) for i in live]
-        for i, codes in zip(live, step.decode(states, texts), strict=True):
-            items[i][2].append(codes)
-        live = [i for i in live if items[i][2][-1] is not None]
+    _step_together(step, items)
     for i in range(4):
         together = torch.cat(items[i][2][:-1])
         assert torch.equal(together, alone(i))
@@ -146,13 +151,7 @@ def test_a_kv_cache_position_is_never_read_before_it_is_written(typed, dtype, mo
         options = dict(voice=engine.voices[0], seed=3, do_sample=True, max_new_tokens=12)
         audio = engine.synthesize(TEXTS[0], **options).audio
         items = [_prefilled(engine, i, i + 5, 7 + 3 * i) for i in range(3)]
-        live = [i for i in range(3) if items[i][2][-1] is not None]
-        while live:
-            states = [items[i][0] for i in live]
-            texts = [items[i][1].text_at(items[i][0].frames - 1) for i in live]
-            for i, codes in zip(live, step.decode(states, texts), strict=True):
-                items[i][2].append(codes)
-            live = [i for i in live if items[i][2][-1] is not None]
+        _step_together(step, items)
         return audio, [torch.cat(item[2][:-1]) for item in items]
 
     def filled(value: float):
