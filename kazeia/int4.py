@@ -32,7 +32,6 @@ from torch import nn
 
 from . import cpu
 from .matmul import replace_linears
-from .placement import product_threads
 from .products import ProductSpec, RowProduct, address, check
 
 GROUP = 32  # weights per step and offset
@@ -202,8 +201,8 @@ class Int4Linear(nn.Module):
         y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         product = self._product()
         args = (rows.data_ptr(), self._bias, y.data_ptr(), self.out_features, self.in_features, rows.shape[0])
-        threads = product_threads(rows.shape[0])
-        if threads > 1:  # a prompt's product on a team (a prefill: kazeia/frame.py): the same results, sooner
+        threads = cpu.native_threads()
+        if threads > 1:  # on a team (a prompt, its first frame: kazeia/frame.py): the same results, sooner
             status = self.lib.int4_gemm(*self._addresses(), *args, threads)
         else:
             status = product(*args)
@@ -268,7 +267,7 @@ class HeadLinear(nn.Module):
             return y
         status = self.lib.gemm_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),
                                     self.out_features, self.in_features, rows.shape[0],
-                                    product_threads(rows.shape[0]))  # fmt: skip
+                                    cpu.native_threads())  # fmt: skip
         check(status, f"the bfloat16 product of {rows.shape[0]} rows")
         return y
 

@@ -15,8 +15,9 @@ needs them:
 
 The streams of a scheduler decode their audio in turns (kazeia/lanes.py): `vocoder_lanes` decodes at
 once, by default as many as fit beside generation's threads. The mechanisms live elsewhere: a
-team is applied by `cpu.team`, a lane taken through `lanes.VocoderLanes`; this module decides the
-sizes, and how many threads one of Kazeia's own products takes (`product_threads`). Non-goals:
+team is applied by `cpu.team` (Kazeia's own products split their weight rows over the calling
+thread's team, `cpu.native_threads`), a lane taken through `lanes.VocoderLanes`; this module decides
+the sizes. Non-goals:
 which product kernels a model uses (kazeia/model.py).
 """
 
@@ -31,17 +32,6 @@ from torch import nn
 
 from . import cpu
 from .products import own_threads
-
-# Activation rows from which Kazeia's own products (int4.c, int8.c) split their weight rows over
-# the calling thread's team: a prompt's; a decoding step's few rows stay on one thread.
-SPLIT_MIN_ROWS = 8
-
-
-def product_threads(rows: int) -> int:
-    """The threads one of Kazeia's own products of `rows` activation rows takes in the calling
-    thread: its team's (`cpu.native_threads`) for a prompt's rows, else one."""
-    return cpu.native_threads() if rows >= SPLIT_MIN_ROWS else 1
-
 
 # Decodes that may run on generation's own cores while generation waits (kazeia/lanes.py): one, so
 # that a stream short of audio is decoded without waiting for a vocoder lane.

@@ -33,7 +33,6 @@ from torch import nn
 
 from . import cpu
 from .matmul import replace_linears
-from .placement import product_threads
 from .products import ProductSpec, RowProduct, address, check
 
 INT8_MAX = 127.0
@@ -228,7 +227,7 @@ class QuantLinear(nn.Module):
         rows = rows.float().contiguous()
         m = rows.shape[0]
         y = torch.empty(m, self.out_features, dtype=torch.float32)
-        threads = product_threads(m)
+        threads = cpu.native_threads()  # a team's: a prompt, its first frame
         status = self.lib.int8_gemm(self.qweight.data_ptr(), self.scales.data_ptr(), rows.data_ptr(),
                                     None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                                     self.out_features, self.in_features, m, threads)  # fmt: skip

@@ -8,7 +8,6 @@ import torch
 
 from kazeia import Engine, cpu, int4, native
 from kazeia.int4 import HeadLinear, Int4Linear
-from kazeia.placement import SPLIT_MIN_ROWS
 from kazeia.quant import QuantEmbedding
 from kazeia.testing import ggml
 from kazeia.testing.quality import compare
@@ -107,16 +106,16 @@ def test_rows_in_tiles_are_each_rows_one_row_bits(cols):
 def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads, outputs):
     """A product of many rows (a prompt's) in a `cpu.team` splits its weight rows over the team's
     threads (int4_gemm): every result is the one-thread result, bit for bit, for any split
-    (more threads than the kernel takes, or than weight rows, included); a decoding step's rows
-    stay on one thread."""
+    (more threads than the kernel takes, or than weight rows, included), for a prompt's many rows
+    as for a step's one or two (a prompt's first frame)."""
     gen = torch.Generator().manual_seed(2)
     linear = Int4Linear.from_float(torch.randn(outputs, 512, generator=gen), torch.randn(outputs, generator=gen), LIB)
-    x = torch.randn(SPLIT_MIN_ROWS + 5, 512, generator=gen)
+    x = torch.randn(13, 512, generator=gen)
     alone = linear(x)
     with cpu.team(threads, openmp=False):
         assert cpu.native_threads() == threads
         assert torch.equal(linear(x), alone)
-        assert torch.equal(linear(x[:2]), alone[:2])
+        assert torch.equal(linear(x[:2]), alone[:2]) and torch.equal(linear(x[:1]), alone[:1])
     assert cpu.native_threads() == 1
 
 
@@ -129,7 +128,7 @@ def test_a_bfloat16_product_gives_each_row_its_one_row_sums(threads, outputs, co
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(outputs, cols, generator=gen), torch.randn(outputs, generator=gen)
     head = HeadLinear(weight, bias, LIB)
-    x = torch.randn(SPLIT_MIN_ROWS + 9, cols, generator=gen)
+    x = torch.randn(17, cols, generator=gen)
     alone = torch.cat([head(row[None]) for row in x])
     with cpu.team(threads, openmp=False):
         assert torch.equal(head(x), alone) and torch.equal(head(x[:5].view(5, 1, cols)), alone[:5].view(5, 1, -1))

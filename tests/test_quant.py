@@ -188,7 +188,7 @@ def test_the_native_product_is_its_reference_arithmetic(rows, cols, m):
     with torch.inference_mode():
         assert torch.equal(layer(x), want)
         with cpu.team(3):
-            assert torch.equal(layer(x.repeat(3, 1)), want.repeat(3, 1))  # >= placement.SPLIT_MIN_ROWS: split rows
+            assert torch.equal(layer(x.repeat(3, 1)), want.repeat(3, 1))  # rows split over the team
 
 
 @needs_lib

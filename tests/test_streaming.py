@@ -226,24 +226,26 @@ def test_reference_chunked_decode_option(engines):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", INT8, "int4"])
 def test_a_prompt_on_a_team_gives_the_same_state(tiny_checkpoints, dtype):
-    """The talker's pass over a prompt on two threads (FrameStep.prefill's team) leaves
-    the same KV cache and first frame as on one, bit for bit: which of them a request gets may
-    depend on what else the engine does (test below), its codes may not."""
+    """The talker's pass over a prompt and the first frame's code predictor on two or three threads
+    (FrameStep.prefill's team; int4 and int8 split each product's weight rows, the native step's
+    too) leave the same KV cache and first frame as on one, bit for bit: which of them a request
+    gets may depend on what else the engine does (test below), its codes may not."""
     engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype=dtype)
     request = engine.request(TEXT, voice=engine.voices[0], seed=4, do_sample=True)
     part = request.parts[0]
     prompt = build_prompt(engine.model, part.text_ids, request.cond, request.non_streaming_mode)
     made, openmp = [], engine.runtime.placement.prompt_team is None or engine.runtime.placement.prompt_team.openmp
-    for threads in (1, 2):  # explicit: torch's own count may already be 2 on a larger machine
+    for threads in (1, 2, 3):  # explicit: torch's own count may already be 2 on a larger machine
         with torch.inference_mode():
             generator = torch.Generator().manual_seed(part.seed)
             team = cpu.Team(threads, openmp)
             state, codes = engine.runtime.step.prefill(prompt, request.sampling, generator, team)
         n = state.length  # the positions the prefill wrote (the others are never read: KVCache)
         made.append((codes, [(c.k[:, :, :n].clone(), c.v[:, :, :n].clone()) for c in state.cache.layers]))
-    (codes_one, kv_one), (codes_two, kv_two) = made
-    assert torch.equal(codes_one, codes_two)
-    assert all(torch.equal(a, b) for pair in zip(kv_one, kv_two, strict=True) for a, b in zip(*pair, strict=True))
+    (codes_one, kv_one), *teams = made
+    for codes, kv in teams:
+        assert torch.equal(codes_one, codes)
+        assert all(torch.equal(a, b) for pair in zip(kv_one, kv, strict=True) for a, b in zip(*pair, strict=True))
 
 
 def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monkeypatch):

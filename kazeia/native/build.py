@@ -33,7 +33,7 @@ from .. import cpu
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("decode.c", "vocoder.c", "conv.c", "conv8.c", "gemv.c", "int4.c", "int8.c", "stack.c")
+    for name in ("decode.c", "vocoder.c", "conv.c", "conv8.c", "gemv.c", "int4.c", "int8.c", "jobs.c", "stack.c")
 )
 # included by the sources: part of the build key
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("conv8.h", "dtypes.h", "jobs.h", "int4_tiles.h"))
@@ -215,15 +215,13 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
     "gemv_bf16_dot": ([], _INT),
-    "gemv_wide": ([_P, _INT, *[_P] * 3, _LONG, _LONG, _INT], _INT),
     "gemm_wide": ([_P, _INT, *[_P] * 3, _LONG, _LONG, _LONG, _INT], _INT),
     "int4_gemv": ([*[_P] * 7, _LONG, _LONG, _LONG], _INT),
     "int4_gemm": ([*[_P] * 7, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
     "int4_kernel": ([], _INT),
     "int8_gemm": ([*[_P] * 5, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
-    "int8_gemv": ([*[_P] * 5, _LONG, _LONG, _LONG], _INT),
     "int8_kernel": ([], _INT),
-    "stack_step": ([_P, _INT, *[_P] * 9, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT], _INT),
+    "stack_step": ([_P, _INT, *[_P] * 9, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT, _INT], _INT),
 }
 
 

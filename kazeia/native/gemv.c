@@ -278,10 +278,3 @@ int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *
     run_jobs(wide_job_run, jobs, sizeof jobs[0], threads);
     return 0;
 }
-
-/* gemm_wide on the calling thread alone, for up to MAX_ROWS rows (a decoding step's heads;
-   stack.c calls it too). */
-int gemv_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, int m) {
-    if (m < 1 || m > MAX_ROWS) return -1;
-    return gemm_wide(w, wdt, x, bias, y, rows, cols, m, 1);
-}

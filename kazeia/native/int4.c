@@ -366,7 +366,7 @@ int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
     return 0;
 }
 
-/* int4_gemm on the calling thread alone: a decoding step's product (stack.c calls it too). */
+/* int4_gemm on the calling thread alone: a decoding step's product from Python (kazeia/int4.py). */
 int int4_gemv(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
               const float *bias, float *y, long rows, long cols, long m) {
     return int4_gemm(qw, gs, gn, rf, x, bias, y, rows, cols, m, 1);

@@ -28,7 +28,7 @@
    slower). The work: one group against up to 4 activation rows (AVX-512; 2 with AVX2's 16
    registers) with all sums in registers, each weight loaded and widened to 16 bits once a pass;
    more activation rows take more passes over the group, then in the first-level cache. A
-   decoding step's product runs on the calling thread (int8_gemv: one weight stream); a prompt's
+   decoding step's product runs on the calling thread (one weight stream); a prompt's
    splits the groups over threads (int8_gemm, `cpu.team`). */
 
 #include <math.h>
@@ -277,10 +277,4 @@ int int8_gemm(const int8_t *q, const float *scales, const float *x, const float 
     free(p);
     free(steps);
     return 0;
-}
-
-/* int8_gemm on the calling thread alone: a decoding step's product (stack.c calls it too). */
-int int8_gemv(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long rows, long cols,
-              long m) {
-    return int8_gemm(q, scales, x, bias, y, rows, cols, m, 1);
 }

@@ -1,12 +1,13 @@
-/* Work split over threads, for the native functions that take a thread count (vocoder.c's
-   snake_beta, int4.c's int4_gemm): n jobs of `size` bytes each in one array, job 0 run on the
-   calling thread and each other on a thread of its own, all joined before returning. A job whose
-   thread cannot be started runs on the calling thread instead, so the work is always done. */
+/* Work split over threads, for the native functions that take a thread count (int4.c's int4_gemm,
+   int8.c's int8_gemm, gemv.c's gemm_wide, the vocoder's convolutions, stack.c's step): n jobs of
+   `size` bytes each in one array, job 0 run on the calling thread and the others on its helper
+   threads (jobs.c), all done before `run_jobs` returns. A job no helper can take runs on the calling
+   thread instead, so the work is always done, and each job's results never depend on which thread
+   ran it. */
 
 #ifndef KAZEIA_JOBS_H
 #define KAZEIA_JOBS_H
 
-#include <pthread.h>
 #include <stddef.h>
 
 enum { MAX_JOBS = 64 };
@@ -19,20 +20,6 @@ static inline int job_count(int threads, long most, long cap) {
     return threads < 1 ? 1 : threads;
 }
 
-static inline void run_jobs(void *(*run)(void *), void *jobs, size_t size, int n) {
-    pthread_t ids[MAX_JOBS];
-    int started[MAX_JOBS] = {0};
-    char *job = jobs;
-    const int threaded = n < MAX_JOBS ? n : MAX_JOBS; /* jobs past MAX_JOBS run here too */
-    for (int i = 1; i < threaded; i++) started[i] = pthread_create(&ids[i], NULL, run, job + (size_t)i * size) == 0;
-    run(job);
-    for (int i = threaded; i < n; i++) run(job + (size_t)i * size);
-    for (int i = 1; i < threaded; i++) {
-        if (started[i])
-            pthread_join(ids[i], NULL);
-        else
-            run(job + (size_t)i * size);
-    }
-}
+void run_jobs(void *(*run)(void *), void *jobs, size_t size, int n);
 
 #endif

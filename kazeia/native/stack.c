@@ -1,13 +1,15 @@
 /* A whole decoding step of a decoder stack in one call: every layer's products and the glue
    between them (decode.c), for the stacks whose products are all native (the float GEMV of
-   gemv.c, its bfloat16-weight `gemv_wide`, int4.c and int8.c), with the activations in one dtype.
+   gemv.c, its bfloat16-weight `gemm_wide`, int4.c and int8.c), with the activations in one dtype.
 
    Python makes ~8 calls a layer otherwise (4 products, 4 glue functions), 103 layer steps a frame
    (the talker's 28 once, the code predictor's 5 fifteen times): their dispatch was the largest cost
    above the products themselves. The order of operations, and so every rounding, is that of
    `StackStep._run` (kazeia/native/__init__.py), which remains the path for products that are not
    native (PyTorch's). Several requests (kazeia/batch.py) share each product: their rows
-   go in together, and each row's result does not depend on the others in these kernels. */
+   go in together, and each row's result does not depend on the others in these kernels. A step may
+   split each product's weight rows over `threads` threads (jobs.h; the first frame of a prompt,
+   on the prompt's team): every row's result is the one computed on one thread. */
 
 #include <stdint.h>
 
@@ -29,26 +31,28 @@ typedef struct {
 } Layer;
 
 int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt);
-int gemv_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, int m);
-int int4_gemv(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
-              const float *bias, float *y, long rows, long cols, long m);
-int int8_gemv(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long rows, long cols,
-              long m);
+int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
+              int threads);
+int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
+              const float *bias, float *y, long rows, long cols, long m, int threads);
+int int8_gemm(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long rows, long cols,
+              long m, int threads);
 void add_rms_norm(void *h, const void *delta, const void *w, void *out, int rows, int n, float eps, int dt);
 void attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, float *k_cache, float *v_cache,
             void *out, float *scratch, int count, int nq, int nkv, int hd, int cap, int pos, float eps, int dt);
 void silu_mul(const void *gate_up, void *out, int rows, int n, int dt);
 
-static int product(const Product *p, const void *x, void *y, int m) {
+/* One product on `threads` threads (the float GEMV on one). */
+static int product(const Product *p, const void *x, void *y, int m, int threads) {
     switch (p->kind) {
     case GEMV:
         return gemv(p->w, x, p->bias, y, p->rows, p->cols, m, p->dt);
     case WIDE:
-        return gemv_wide(p->w, 1, x, p->bias, y, p->rows, p->cols, m);
+        return gemm_wide(p->w, 1, x, p->bias, y, p->rows, p->cols, m, threads);
     case INT4:
-        return int4_gemv(p->w, p->a, p->b, p->c, x, p->bias, y, p->rows, p->cols, m);
+        return int4_gemm(p->w, p->a, p->b, p->c, x, p->bias, y, p->rows, p->cols, m, threads);
     case INT8:
-        return int8_gemv(p->w, p->a, x, p->bias, y, p->rows, p->cols, m);
+        return int8_gemm(p->w, p->a, x, p->bias, y, p->rows, p->cols, m, threads);
     }
     return -1;
 }
@@ -58,28 +62,29 @@ static int product(const Product *p, const void *x, void *y, int m) {
    starts[r] .. starts[r] + T - 1 of its caches: layer l's keys and values at k[r * L + l],
    v[r * L + l] ((nkv, caps[r], hd) float32), its rotation cos[r], sin[r] (T x hd, dt).
    Buffers (dt): attended n x nq*hd, activated n x inner, qkv n x (nq + 2 nkv) hd, out n x H,
-   gate_up n x 2 inner; scratch nq * hd + nq / nkv * max(caps) floats.
-   Returns 0, or the first failing product's status. */
+   gate_up n x 2 inner; scratch nq * hd + nq / nkv * max(caps) floats. `threads`: each product's
+   (at least one). Returns 0, or the first failing product's status. */
 int stack_step(const Layer *layers, int L, const void *first_norm, void *h, void *normed, void *attended,
                void *activated, void *qkv, void *out, void *gate_up, float *scratch, int B, int T,
                const void *const *cos, const void *const *sin, float *const *k, float *const *v, const int *caps,
-               const int *starts, int nq, int nkv, int hd, int H, int inner, float eps, float qk_eps, int dt) {
+               const int *starts, int nq, int nkv, int hd, int H, int inner, float eps, float qk_eps, int dt,
+               int threads) {
     const int n = B * T, size = dt == 0 ? 4 : 2;
     const long width = (long)(nq + 2 * nkv) * hd * size, out_width = (long)nq * hd * size; /* bytes a row */
     int status;
     add_rms_norm(h, 0, first_norm, normed, n, H, eps, dt);
     for (int l = 0; l < L; l++) {
         const Layer *layer = layers + l;
-        if ((status = product(&layer->qkv, normed, qkv, n))) return status;
+        if ((status = product(&layer->qkv, normed, qkv, n, threads))) return status;
         for (int r = 0; r < B; r++)
             attend((char *)qkv + (long)r * T * width, layer->qk_w, cos[r], sin[r], k[(long)r * L + l],
                    v[(long)r * L + l], (char *)attended + (long)r * T * out_width, scratch, T, nq, nkv, hd, caps[r],
                    starts[r], qk_eps, dt);
-        if ((status = product(&layer->o, attended, out, n))) return status;
+        if ((status = product(&layer->o, attended, out, n, threads))) return status;
         add_rms_norm(h, out, layer->post_w, normed, n, H, eps, dt);
-        if ((status = product(&layer->gate_up, normed, gate_up, n))) return status;
+        if ((status = product(&layer->gate_up, normed, gate_up, n, threads))) return status;
         silu_mul(gate_up, activated, n, inner, dt);
-        if ((status = product(&layer->down, activated, out, n))) return status;
+        if ((status = product(&layer->down, activated, out, n, threads))) return status;
         add_rms_norm(h, out, layer->next_w, normed, n, H, eps, dt);
     }
     return 0;

@@ -27,6 +27,7 @@ import ctypes
 
 import torch
 
+from .. import cpu
 from ..products import NATIVE_DTYPES, ProductSpec, check, product_spec, row_product
 
 
@@ -148,7 +149,9 @@ class StackStep:
         return max(cache[0].k.shape[2] for _, cache, _ in requests)
 
     def _run_whole(self, x: torch.Tensor, T: int, requests: list) -> torch.Tensor:
-        """`_run` in one call of stack.c: x (B * T, H), B = len(requests) -> final-normed (B * T, H)."""
+        """`_run` in one call of stack.c: x (B * T, H), B = len(requests) -> final-normed (B * T, H).
+        Each product splits its weight rows over the calling thread's team (`cpu.native_threads`:
+        a prompt's first frame; one thread otherwise), with the same results."""
         dtype, H, nq, nkv, hd, inner = self.dtype, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inner
         capacity = self._check_room(T, requests)
         B, L, n = len(requests), len(self.whole), x.shape[0]
@@ -166,7 +169,7 @@ class StackStep:
         starts = (ctypes.c_int * B)(*(start for _, _, start in requests))
         status = self.lib.stack_step(self.whole, L, self.first_norm, h.data_ptr(), *(b.data_ptr() for b in buffers),
                                      scratch.data_ptr(), B, T, cos, sin, keys, values, caps, starts, nq, nkv, hd, H,
-                                     inner, self.eps, self.qk_eps, self.dt)  # fmt: skip
+                                     inner, self.eps, self.qk_eps, self.dt, cpu.native_threads())  # fmt: skip
         check(status, f"the native step of {n} rows")
         return buffers[0]
 
