@@ -243,11 +243,123 @@ struct wide_job {
    from memory once per pair without it). */
 enum { WIDE_ROWS = 16 };
 
+#if VECTORS
+/* A prompt's rows in tiles (gemm_wide): pairs of weight rows against TILE_X activation rows, each
+   weight vector widened once for the tile's activation rows and each activation vector loaded once
+   for a pair of weight rows (row_dot does both once per pair of activation rows: a prompt's
+   bfloat16 products ran at a third of the multiply-add units' rate, 17-24 GMAC/s a thread on a Zen
+   3). Every sum is row_dot's: each of an output's four accumulators (a[u], the vectors u, u + 4,
+   u + 8, ... of the row) gets the same multiply-adds in the same order, accumulator after
+   accumulator over a chunk of TILE_COLS columns, kept in `part` between chunks; then the same
+   additions. A chunk of the tile's activation rows is copied side by side (rows cols floats
+   apart fell in the same first-level cache sets) and stays there while every weight pair of the
+   block passes.
+   Rows whose columns are not whole blocks of four vectors keep row_dot. */
+enum { TILE_X = 6, TILE_COLS = 512, PAIRS = WIDE_ROWS / 2 };
+typedef vec tile_part[4][2][TILE_X]; /* one weight pair's accumulators: [u][weight row][activation row] */
+
+/* The accumulators of `pairs` weight-row pairs (w: the first pair's first row; rows of cols
+   values) against nx activation rows over blocks [b0, b1) of four vectors: xs holds those columns
+   of the nx rows, TILE_COLS floats a row. */
+static inline __attribute__((always_inline)) void wide_block(const void *w, const int dt, const float *xs, long cols,
+                                                             long b0, long b1, int pairs, const int nx,
+                                                             tile_part *part) {
+    const long width = dt == F32 ? 4 : 2, step = 4 * LANES;
+    for (int p = 0; p < pairs; p++) {
+        const void *w0 = (const char *)w + 2 * p * cols * width, *w1 = (const char *)w0 + cols * width;
+        for (int u = 0; u < 4; u++) {
+            vec a0[TILE_X], a1[TILE_X];
+            for (int k = 0; k < nx; k++) {
+                a0[k] = b0 ? part[p][u][0][k] : vzero();
+                a1[k] = b0 ? part[p][u][1][k] : vzero();
+            }
+            for (long b = b0; b < b1; b++) {
+                const long c = b * step + u * LANES, cx = (b - b0) * step + u * LANES;
+                const vec v0 = vload(w0, c, dt), v1 = vload(w1, c, dt);
+                for (int k = 0; k < nx; k++) {
+                    const vec xv = vload(xs + k * TILE_COLS, cx, F32);
+                    a0[k] = vfma(v0, xv, a0[k]);
+                    a1[k] = vfma(v1, xv, a1[k]);
+                }
+            }
+            for (int k = 0; k < nx; k++) part[p][u][0][k] = a0[k], part[p][u][1][k] = a1[k];
+        }
+    }
+}
+
+/* wide_block with its dtype and activation row count constants. */
+static void wide_block_any(const void *w, int dt, const float *xs, long cols, long b0, long b1, int pairs, int nx,
+                           tile_part *part) {
+#define WIDE_BLOCK(n)                                                                                                  \
+    do {                                                                                                               \
+        if (dt == BF16)                                                                                                \
+            wide_block(w, BF16, xs, cols, b0, b1, pairs, n, part);                                                     \
+        else if (dt == F16)                                                                                            \
+            wide_block(w, F16, xs, cols, b0, b1, pairs, n, part);                                                      \
+        else                                                                                                           \
+            wide_block(w, F32, xs, cols, b0, b1, pairs, n, part);                                                      \
+    } while (0)
+    switch (nx) {
+    case 1: WIDE_BLOCK(1); break;
+    case 2: WIDE_BLOCK(2); break;
+    case 3: WIDE_BLOCK(3); break;
+    case 4: WIDE_BLOCK(4); break;
+    case 5: WIDE_BLOCK(5); break;
+    default: WIDE_BLOCK(TILE_X); break;
+    }
+#undef WIDE_BLOCK
+}
+
+/* Weight rows [r0, r1) (at most WIDE_ROWS) against all activation rows in tiles; an odd last
+   weight row through row_dot. */
+static void wide_tiles(const struct wide_job *j, long r0, long r1) {
+    const long width = j->wdt == F32 ? 4 : 2;
+    const long step = 4 * LANES, blocks = j->cols / step, chunk = TILE_COLS / step;
+    const int pairs = (int)((r1 - r0) / 2);
+    tile_part part[PAIRS];
+    float xs[TILE_X * TILE_COLS] __attribute__((aligned(64))); /* the rows' chunk, side by side */
+    for (long i = 0; i < j->m; i += TILE_X) {
+        const int nx = j->m - i < TILE_X ? (int)(j->m - i) : TILE_X;
+        const float *x = j->x + i * j->cols;
+        for (long b0 = 0; b0 < blocks; b0 += chunk) {
+            const long b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
+            for (int k = 0; k < nx; k++)
+                memcpy(xs + k * TILE_COLS, x + k * j->cols + b0 * step, sizeof(float) * (size_t)((b1 - b0) * step));
+            wide_block_any((const char *)j->w + r0 * j->cols * width, j->wdt, xs, j->cols, b0, b1, pairs, nx, part);
+        }
+        for (int p = 0; p < pairs; p++)
+            for (int q = 0; q < 2; q++) {
+                const long r = r0 + 2 * p + q;
+                const vec(*a)[2][TILE_X] = part[p];
+                for (int k = 0; k < nx; k++)
+                    j->y[(i + k) * j->rows + r] =
+                        vsum(vadd(vadd(a[0][q][k], a[1][q][k]), vadd(a[2][q][k], a[3][q][k]))) +
+                        (j->bias ? j->bias[r] : 0.0f);
+            }
+        if (r0 + 2 * pairs < r1) { /* the odd last row */
+            const long r = r1 - 1;
+            for (int k = 0; k < nx; k += 2) {
+                const int pair = nx - k < 2 ? nx - k : 2;
+                float sums[2];
+                row_dot_any((const char *)j->w + r * j->cols * width, j->wdt, x + k * j->cols, pair, j->cols, sums);
+                for (int q = 0; q < pair; q++) j->y[(i + k + q) * j->rows + r] = sums[q] + (j->bias ? j->bias[r] : 0.0f);
+            }
+        }
+    }
+}
+#endif
+
 static void *wide_job_run(void *arg) {
     const struct wide_job *j = arg;
     const long width = j->wdt == F32 ? 4 : 2;
     for (long r0 = j->first; r0 < j->last; r0 += WIDE_ROWS) {
         const long r1 = r0 + WIDE_ROWS < j->last ? r0 + WIDE_ROWS : j->last;
+#if VECTORS
+        if (j->m >= TILE_X && j->cols % (4 * LANES) == 0) {
+            wide_tiles(j, r0, r1);
+            continue;
+        }
+#endif
         for (long i = 0; i < j->m; i += 2) {
             const int pair = j->m - i < 2 ? (int)(j->m - i) : 2;
             for (long r = r0; r < r1; r++) {
