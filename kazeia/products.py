@@ -69,8 +69,9 @@ def product_spec(module: nn.Module, dtype: torch.dtype) -> ProductSpec | None:
 
 
 def own_threads(module: nn.Module) -> bool:
-    """Whether `module` splits the rows of a large product (a prompt's) over the calling thread's
-    team itself (`placement.product_threads`) rather than through torch's parallel regions."""
+    """Whether `module` splits its products' weight rows over the calling thread's team itself
+    (`cpu.native_threads`: a prompt's, its first frame's) rather than through torch's parallel
+    regions."""
     return bool(getattr(module, "splits_rows", False))
 
 
