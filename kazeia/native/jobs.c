@@ -124,6 +124,7 @@ static void make_key(void) { key_made = pthread_key_create(&key, retire) == 0; }
 /* The calling thread's pool with at least `want` helpers started if it can, or NULL. */
 static struct helpers *helpers(int want) {
     if (own && own->pid != getpid()) { /* a fork's child: the helpers are the parent's */
+        pthread_setspecific(key, NULL);     /* so that this thread's end does not retire it again */
         free(own);
         own = NULL;
     }
