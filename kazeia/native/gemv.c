@@ -15,7 +15,8 @@
    the portable build), added in a fixed order: for a given build a row's result never depends on
    m or on the other rows. More than two rows go through the same two-row dot product in pairs,
    (0, 1), (2, 3), ..., while the weight row is still in the first-level cache: each row's sums
-   are those of m = 1, so a batched step gives every request exactly its solo result.
+   are those of m = 1, so a batched step gives every request exactly its solo result (gemm_wide
+   takes six rows or more in tiles that make the same sums: wide_tiles).
    Weights and activations of dt (0 float32, 1 bfloat16, 2 float16) are widened to float32 and
    multiplied with fused multiply-adds; with AVX512_BF16, bfloat16 pairs go through its dot product
    (exact products, float32 sums). Outputs are rounded to dt once, as a float32-accumulating matmul
