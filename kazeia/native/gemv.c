@@ -244,6 +244,17 @@ struct wide_job {
    from memory once per pair without it). */
 enum { WIDE_ROWS = 16 };
 
+/* Weight row r against activation rows [i0, i1) through row_dot, in pairs: their y, with the bias. */
+static void wide_rows(const struct wide_job *j, long r, long i0, long i1) {
+    const char *w = (const char *)j->w + r * j->cols * (j->wdt == F32 ? 4 : 2);
+    for (long i = i0; i < i1; i += 2) {
+        const int pair = i1 - i < 2 ? (int)(i1 - i) : 2;
+        float sums[2];
+        row_dot_any(w, j->wdt, j->x + i * j->cols, pair, j->cols, sums);
+        for (int k = 0; k < pair; k++) j->y[(i + k) * j->rows + r] = sums[k] + (j->bias ? j->bias[r] : 0.0f);
+    }
+}
+
 #if VECTORS
 /* A prompt's rows in tiles (gemm_wide): pairs of weight rows against TILE_X activation rows, each
    weight vector widened once for the tile's activation rows and each activation vector loaded once
@@ -337,22 +348,13 @@ static void wide_tiles(const struct wide_job *j, long r0, long r1) {
                         vsum(vadd(vadd(a[0][q][k], a[1][q][k]), vadd(a[2][q][k], a[3][q][k]))) +
                         (j->bias ? j->bias[r] : 0.0f);
             }
-        if (r0 + 2 * pairs < r1) { /* the odd last row */
-            const long r = r1 - 1;
-            for (int k = 0; k < nx; k += 2) {
-                const int pair = nx - k < 2 ? nx - k : 2;
-                float sums[2];
-                row_dot_any((const char *)j->w + r * j->cols * width, j->wdt, x + k * j->cols, pair, j->cols, sums);
-                for (int q = 0; q < pair; q++) j->y[(i + k + q) * j->rows + r] = sums[q] + (j->bias ? j->bias[r] : 0.0f);
-            }
-        }
+        if (r0 + 2 * pairs < r1) wide_rows(j, r1 - 1, i, i + nx); /* the odd last row */
     }
 }
 #endif
 
 static void *wide_job_run(void *arg) {
     const struct wide_job *j = arg;
-    const long width = j->wdt == F32 ? 4 : 2;
     for (long r0 = j->first; r0 < j->last; r0 += WIDE_ROWS) {
         const long r1 = r0 + WIDE_ROWS < j->last ? r0 + WIDE_ROWS : j->last;
 #if VECTORS
@@ -361,14 +363,8 @@ static void *wide_job_run(void *arg) {
             continue;
         }
 #endif
-        for (long i = 0; i < j->m; i += 2) {
-            const int pair = j->m - i < 2 ? (int)(j->m - i) : 2;
-            for (long r = r0; r < r1; r++) {
-                float sums[2];
-                row_dot_any((const char *)j->w + r * j->cols * width, j->wdt, j->x + i * j->cols, pair, j->cols, sums);
-                for (int k = 0; k < pair; k++) j->y[(i + k) * j->rows + r] = sums[k] + (j->bias ? j->bias[r] : 0.0f);
-            }
-        }
+        for (long i = 0; i < j->m; i += 2)
+            for (long r = r0; r < r1; r++) wide_rows(j, r, i, i + 2 < j->m ? i + 2 : j->m);
     }
     return NULL;
 }
