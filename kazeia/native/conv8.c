@@ -123,7 +123,7 @@ static void *q8_job_run(void *arg) {
     const struct q8_call *c = j->c;
     const long per = (c->length + Q8_MR - 1) / Q8_MR; /* tiles per batch entry */
     const long most = (j->tile1 - j->tile0) * Q8_MR + (long)(c->taps - 1) * c->dilation;
-    q8_code *qx = malloc(sizeof(q8_code) * (size_t)(most * c->kp));
+    q8_code *qx = line_buffer(sizeof(q8_code) * (size_t)(most * c->kp));
     float *sx = malloc(sizeof(float) * (size_t)most);
     if (!qx || !sx) {
         j->failed = 1;

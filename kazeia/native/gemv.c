@@ -204,7 +204,7 @@ enum { MAX_ROWS = 256 }; /* activation rows one call takes */
    MAX_ROWS. Returns 0, -1 for an m it does not take, -2 when out of memory. */
 int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt) {
     if (m < 1 || m > MAX_ROWS) return -1;
-    float *xf = malloc(sizeof(float) * (size_t)m * (size_t)cols);
+    float *xf = line_buffer(sizeof(float) * (size_t)m * (size_t)cols);
     if (!xf) return -2;
     for (long i = 0; i < m * cols; i++) xf[i] = load(x, i, dt);
     const long width = dt == F32 ? 4 : 2; /* bytes per value */

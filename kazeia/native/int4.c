@@ -345,7 +345,7 @@ int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
     if (m < 1 || rows < 1 || cols < UNIT || cols % UNIT) return -1;
     long groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
     /* per activation row: codes, block steps, group sums; per weight row: steps, offsets */
-    int8_t *p = malloc((size_t)(m * cols));
+    int8_t *p = line_buffer((size_t)(m * cols));
     long ts = t_stride(blocks);
     float *t = malloc(sizeof(float) * (size_t)(m * (ts + groups)));
     if (!p || !t) {

@@ -259,7 +259,7 @@ enum { MAX_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
 int int8_gemm(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long rows, long cols,
               long m, int threads) {
     if (m < 1 || rows < ROWS || rows % ROWS || cols < CHUNK || cols % CHUNK) return -1;
-    int16_t *p = malloc(sizeof(int16_t) * (size_t)(m * cols));
+    int16_t *p = line_buffer(sizeof(int16_t) * (size_t)(m * cols));
     float *steps = malloc(sizeof(float) * (size_t)m);
     if (!p || !steps) {
         free(p);
