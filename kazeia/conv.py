@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu
 from .products import address
 
 SNAKE_EPS = 1e-9
@@ -76,7 +77,7 @@ class Tiled(nn.Module):
         res_strides = (0, 0) if res is None else (res.stride(0), res.stride(1))
         failed = self.lib.vconv(x.data_ptr(), x.stride(0), x.stride(1), self.weight.data_ptr(), address(self.bias),
                                 address(res), *res_strides, y.data_ptr(), y.stride(0), y.stride(1), B, L, self.cin,
-                                self.n, self.taps, self.dilation, self.pairs, torch.get_num_threads())  # fmt: skip
+                                self.n, self.taps, self.dilation, self.pairs, cpu.stage_team())  # fmt: skip
         if failed == -2:
             raise MemoryError("vconv: out of memory")
         if failed:
@@ -122,7 +123,7 @@ class Tiled8(nn.Module):
         res_strides = (0, 0) if res is None else (res.stride(0), res.stride(1))
         failed = self.lib.vconv8(x.data_ptr(), x.stride(0), x.stride(1), self.weight.data_ptr(), address(self.bias),
                                  address(res), *res_strides, y.data_ptr(), y.stride(0), y.stride(1), B, L, self.cin,
-                                 self.n, self.taps, self.dilation, torch.get_num_threads())  # fmt: skip
+                                 self.n, self.taps, self.dilation, cpu.stage_team())  # fmt: skip
         if failed == -2:
             raise MemoryError("vconv8: out of memory")
         if failed:
@@ -325,7 +326,7 @@ class SnakeBeta(nn.Module):
             out = torch.empty_like(x) if out is None else out
             B, L, C = x.shape
             failed = self.lib.snake_beta(x.data_ptr(), out.data_ptr(), self.alpha.data_ptr(), self.beta.data_ptr(),
-                                         B, L, C, x.stride(0), out.stride(0), torch.get_num_threads())  # fmt: skip
+                                         B, L, C, x.stride(0), out.stride(0), cpu.stage_team())  # fmt: skip
             if failed:
                 raise MemoryError("snake_beta: out of memory")
             return out

@@ -220,7 +220,7 @@ class Team(NamedTuple):
     """The threads a block of work runs on (`team`): a count, or a function asked for it at each of
     Kazeia's own products (None: as they are), and whether torch's parallel regions take them too."""
 
-    threads: int | Callable[[], int] | None
+    threads: int | Callable[[], int | None] | None
     openmp: bool = True
 
 
@@ -229,13 +229,23 @@ _local = threading.local()
 
 def native_threads() -> int:
     """The threads Kazeia's own multi-threaded kernels may take in the calling thread: its
-    `team`'s (asked at each call where the team is a callable), else one."""
+    `team`'s (asked at each call where the team is a callable; None from it: one), else one."""
     threads = getattr(_local, "threads", 1)
-    return threads() if callable(threads) else threads
+    return (threads() if callable(threads) else threads) or 1
+
+
+def stage_team() -> int:
+    """The threads the vocoder's kernels may take in the calling thread: its `team`'s where it is
+    in one (asked now where the team is a callable; None from it: torch's), else torch's, the
+    stage's own (kazeia/placement.py)."""
+    import torch
+
+    threads = getattr(_local, "threads", None)
+    return (threads() if callable(threads) else threads) or torch.get_num_threads()
 
 
 @contextlib.contextmanager
-def team(threads: int | Callable[[], int] | None, openmp: bool = True) -> Iterator[None]:
+def team(threads: int | Callable[[], int | None] | None, openmp: bool = True) -> Iterator[None]:
     """Run the block's parallel work on `threads` threads, in the calling thread only: Kazeia's
     own kernels (`native_threads`) and, with `openmp`, torch's parallel regions. A callable is
     asked for the count at each of Kazeia's products (OpenMP's team: once, here), so that a
@@ -251,13 +261,17 @@ def team(threads: int | Callable[[], int] | None, openmp: bool = True) -> Iterat
         yield
         return
     set_team = _omp_set_num_threads() if openmp else None
-    before, native = torch.get_num_threads(), getattr(_local, "threads", 1)  # first: torch's first call resets the team
+    # torch's count first: torch's first call resets the team
+    before, native = torch.get_num_threads(), getattr(_local, "threads", None)
     _local.threads = threads
     if set_team is not None:
-        set_team(threads() if callable(threads) else threads)
+        set_team((threads() if callable(threads) else threads) or before)
     try:
         yield
     finally:
-        _local.threads = native
+        if native is None:  # no team around this one: none after it (`stage_team` takes torch's again)
+            del _local.threads
+        else:
+            _local.threads = native
         if set_team is not None:
             set_team(before)

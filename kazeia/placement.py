@@ -13,6 +13,9 @@ needs them:
 * in a scheduler, a prompt while no stream's audio is being decoded and no other prompt runs;
   several prompts waiting at once share the team (`scheduled_prompt_team`, `prompts_at_once`).
 
+A stream's first chunk may take the team too while the engine runs nothing else
+(`first_chunk_team`); its generation waits for that chunk rather than take a core from it.
+
 The streams of a scheduler decode their audio in turns (kazeia/lanes.py): `vocoder_lanes` decodes at
 once, by default as many as fit beside generation's threads. The mechanisms live elsewhere: a
 team is applied by `cpu.team` (Kazeia's own products split their weight rows over the calling
@@ -97,6 +100,18 @@ class Placement:
         """The team of a request's first prompt outside a scheduler, asked when it runs: the prompt
         team while `running` counts this request alone, else torch's threads."""
         return lambda: self.prompt_team if running.count() == 1 else None
+
+    def first_chunk_team(self, running: Running, counts: int = 1) -> Callable[[], int | None] | None:
+        """The threads of a stream's first chunk, asked at each of its convolutions: the prompt
+        team's while `running` counts this stream alone (`counts`: what it counts for the stream),
+        None (the vocoder's own) once anything else runs; None where there is no team. While its
+        first chunk may take the team, a stream's generation waits for it (kazeia/streaming.py): a
+        split decode would otherwise wait for its share on a core the next frame's generation holds."""
+        team = self.prompt_team
+        if team is None or not isinstance(team.threads, int):
+            return None
+        whole = team.threads
+        return lambda: whole if running.count() == counts else None
 
     def vocoder_lanes(self, lanes: int | None) -> int:
         """Decodes of a scheduler's streams at once: `lanes`, or as many as fit beside generation's

@@ -29,9 +29,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from . import cpu
 from .heap import trim_now_and_then
 from .lanes import LaneStopped, VocoderLanes
 from .options import ChunkSchedule
+from .producer import DONE, FrameProgress, generate
 from .request import Request
 from .runaway import CANCELLED, overall
 from .runtime import Runtime
@@ -41,7 +43,6 @@ from .vocoder import Vocoder, VocoderState, no_pause
 
 QUEUE_FRAMES = 64  # frames the worker may run ahead of the consumer (about 5 s of audio)
 PACE_CHUNKS = 2  # a scheduled stream is stepped while fewer than this many of its chunks are ready
-_DONE = object()
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,6 @@ def _weakly(method: Callable[[], bool]) -> Callable[[], bool]:
     return call
 
 
-class _Progress:
-    """What the worker reports back (plain attributes, written by the worker only)."""
-
-    frames = 0  # frames generated so far
-    first_frame_at: float | None = None  # perf_counter() of the first frame
-    ended_at: float | None = None  # perf_counter() when the last item was generated
-
-
 class FrameSource(Protocol):
     """Where a stream's frames come from: generated alone (kazeia/utterance.py) or in a scheduler's
     batched steps (kazeia/scheduler.py)."""
@@ -102,6 +95,12 @@ class FrameSource(Protocol):
     @property
     def lanes(self) -> VocoderLanes | None:
         """The turns the stream's vocoder takes (None: it decodes at once)."""
+        ...
+
+    @property
+    def counts(self) -> int:
+        """What `runtime.running` counts for the stream while its frames are made: 1 (the stream),
+        2 in a scheduler (its stream and its timeline)."""
         ...
 
     def frames(self, stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
@@ -115,37 +114,6 @@ class FrameSource(Protocol):
     def release(self) -> None:
         """The stream could not start: give back what was taken for it (its frames are never asked for)."""
         ...
-
-
-def _generate(make_frames, frames_out: queue.Queue, stop: threading.Event, progress: _Progress) -> None:
-    """Worker: put each generated frame, then _DONE (or the exception), on the queue.
-
-    Holds no reference to the SpeechStream, so dropping the stream (e.g. leaving a `for` loop over
-    a temporary) collects it, and its finaliser stops this worker.
-    """
-    try:
-        for frame in make_frames(stop.is_set):  # frames, each segment followed by its Segment
-            if isinstance(frame, torch.Tensor):
-                if progress.first_frame_at is None:
-                    progress.first_frame_at = time.perf_counter()
-                progress.frames += 1
-            if not _put(frames_out, frame, stop):
-                return
-        progress.ended_at = time.perf_counter()
-        _put(frames_out, _DONE, stop)
-    except BaseException as error:
-        _put(frames_out, error, stop)
-
-
-def _put(frames_out: queue.Queue, item, stop: threading.Event) -> bool:
-    """Block while the queue is full; give up (False) once the stream is closed."""
-    while not stop.is_set():
-        try:
-            frames_out.put(item, timeout=0.05)
-            return True
-        except queue.Full:
-            continue
-    return False
 
 
 class SpeechStream:
@@ -163,12 +131,15 @@ class SpeechStream:
         live=None,
         speed: float = 1.0,
         on_close: Callable[[], None] | None = None,
+        first_team: Callable[[], int | None] | None = None,
     ):
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
         `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
         `speed`: the pace of the audio; other than 1.0 each chunk goes through a `TimeStretch`.
         `on_close`: called once, when the stream is closed (at its end, by `close`, or collected);
-        not when this constructor fails (its caller undoes what it did for the stream then)."""
+        not when this constructor fails (its caller undoes what it did for the stream then).
+        `first_team`: the threads of the first chunk's decode, asked at each of its products (None
+        from it: the vocoder's own); generation waits for that chunk while it says a number."""
         self._live = live
         self._speed = speed
         self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
@@ -180,7 +151,7 @@ class SpeechStream:
         self._state: VocoderState = vocoder.new_state() if state is None else state
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_FRAMES)
         self._stop = threading.Event()
-        self._progress = _Progress()
+        self._progress = FrameProgress()
         self._pending: list[torch.Tensor] = []  # frames waiting for their chunk
         # The frames already decoded, one (n, 16) tensor a chunk (128 bytes a frame, not an object each).
         self._codes: list[torch.Tensor] = []
@@ -191,8 +162,10 @@ class SpeechStream:
         self._done = False
         self._lanes = source.lanes
         source.pace(_weakly(self.needs_frames))  # a source (a scheduler's ticket) must not keep the stream alive
-        args = (source.frames, self._queue, self._stop, self._progress)
-        self._worker = threading.Thread(target=_generate, args=args, name="kazeia-generate", daemon=True)
+        self._first_team, self._first_out = first_team, threading.Event()
+        first = (schedule.first, first_team, self._first_out)
+        args = (source.frames, self._queue, self._stop, self._progress, first)
+        self._worker = threading.Thread(target=generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
         self._on_close = on_close  # last: a stream that failed to start is never closed
 
@@ -232,7 +205,7 @@ class SpeechStream:
             while True:
                 item = self._lookahead if self._lookahead is not None else self._take(block=True)
                 self._lookahead = None
-                if item is _DONE:
+                if item is DONE:
                     return self._emit(is_last=True)
                 if isinstance(item, Segment):
                     self._ended.append(item)
@@ -249,13 +222,13 @@ class SpeechStream:
                         else:
                             self._pending.append(self._lookahead)
                         self._lookahead = self._take(block=False)
-                    return self._emit(is_last=self._lookahead is _DONE)
+                    return self._emit(is_last=self._lookahead is DONE)
         except BaseException:
             self.close()
             raise
 
     def _take(self, block: bool):
-        """The next queued item (a frame or _DONE); None when not blocking and nothing is there.
+        """The next queued item (a frame or DONE); None when not blocking and nothing is there.
 
         A blocking take polls the stop flag, so `close()` from another thread (a server whose client
         left) also ends an iteration that is waiting for the next frame."""
@@ -277,13 +250,16 @@ class SpeechStream:
         self._frames += len(frames)  # before the decode: `needs_frames` is asked from another thread
         if frames:
             codes = torch.stack(frames)  # (n, 16)
+            team = self._first_team if self._chunks == 0 else None
             try:
-                with self._turn() as pause, torch.inference_mode():
+                with self._turn() as pause, torch.inference_mode(), cpu.team(team, openmp=False):
                     if pause is None:  # closed while waiting for the vocoder
                         raise StopIteration
                     audio = self._vocoder.decode_chunk(codes, self._state, pause)  # (n * 1920,)
             except LaneStopped:  # closed while a paused decode waited (its state is abandoned)
                 raise StopIteration from None
+            finally:
+                self._first_out.set()  # generation goes on (after the first chunk; at once later)
             samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
             self._codes.append(codes)
         else:  # the end became known only after the previous chunk went out
@@ -391,6 +367,7 @@ def open_stream(
             request.live,
             request.speed,
             on_close=runtime.running.leave,
+            first_team=runtime.placement.first_chunk_team(runtime.running, source.counts),
         )
     except BaseException:  # no thread could be started, no memory to prime the vocoder: what was taken is given back
         runtime.running.leave()

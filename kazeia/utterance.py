@@ -165,6 +165,7 @@ class Unscheduled:
     """The frames of a stream generated in its own thread, each step at once (a `FrameSource`)."""
 
     lanes = None
+    counts = 1  # the stream only: `frames` is not a `timeline`
 
     def __init__(self, runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None = None):
         self.runtime, self.request, self.should_stop = runtime, request, should_stop

@@ -196,3 +196,23 @@ def test_a_team_given_as_a_callable_is_asked_at_each_product():
         other.start()
         other.join()
     assert seen == {"other": 1} and cpu.native_threads() == 1
+
+
+def test_the_vocoders_threads_are_the_stages_outside_a_team():
+    """`stage_team` (the vocoder's kernels) is torch's count outside any team, the team's inside one
+    (a callable's answer, torch's where it answers None), and torch's again after the team, nested
+    or not: a stream's first chunk on the team must leave its later chunks on the stage's threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # a stage of several threads, whatever this machine's default
+    try:
+        assert cpu.stage_team() == 3 and cpu.native_threads() == 1
+        answers = iter([5, None])
+        with cpu.team(lambda: next(answers), openmp=False):
+            assert [cpu.stage_team(), cpu.stage_team()] == [5, 3]
+            with cpu.team(4, openmp=False):
+                assert cpu.stage_team() == 4 and cpu.native_threads() == 4
+            with cpu.team(lambda: None, openmp=False):
+                assert cpu.native_threads() == 1  # None from the team: one, as outside
+        assert cpu.stage_team() == 3 and cpu.native_threads() == 1
+    finally:
+        torch.set_num_threads(before)

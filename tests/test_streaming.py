@@ -12,12 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kazeia import Engine, cpu, streaming
-from kazeia.frame import FrameStep
+from kazeia.frame import FrameStep, go_on
 from kazeia.live import TextFeed
 from kazeia.prompt import build_prompt
 from kazeia.scheduler import SchedulerBusy
 from kazeia.segment import LongTextOptions
 from kazeia.streaming import QUEUE_FRAMES, ChunkSchedule
+from kazeia.vocoder import Vocoder, no_pause
 
 TEXT = "Streaming should sound exactly like offline synthesis."
 
@@ -271,6 +272,56 @@ def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monk
     if team is not None:
         int4 = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
         assert engine.runtime.placement.prompt_team.openmp and not int4.runtime.placement.prompt_team.openmp
+
+
+def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines, monkeypatch):
+    """A stream alone in the engine decodes its first chunk on the prompt team, and its generation
+    makes no further frame until that chunk is decoded (a split decode would wait for its share on
+    a core the next frame's generation held); its later chunks, and the first chunk of a stream
+    opened beside another, keep the vocoder's own threads. The audio is the offline audio."""
+    engine = engines["0.6B-custom"]
+    team = _threads(engine.runtime.placement.prompt_team)  # None on a one-core machine
+    own = torch.get_num_threads()
+    events, stepped = [], threading.Event()
+    decode_chunk, decode = Vocoder.decode_chunk, FrameStep.decode
+
+    def decoding(self, codes, state, pause=no_pause):
+        events.append(("threads", cpu.stage_team()))
+        if sum(e[0] == "threads" for e in events) == 1 and team is not None:
+            stepped.wait(timeout=2.0)  # a generation that went on would step meanwhile
+        audio = decode_chunk(self, codes, state, pause)
+        events.append(("decoded", None))
+        return audio
+
+    def stepping(self, states, texts, pause=go_on):
+        stepped.set()
+        events.append(("step", None))
+        return decode(self, states, texts, pause)
+
+    monkeypatch.setattr(Vocoder, "decode_chunk", decoding)
+    monkeypatch.setattr(FrameStep, "decode", stepping)
+    options = {"voice": "ryan", "seed": 3, "max_new_tokens": 8, "ignore_eos": True}
+    offline = engine.synthesize(TEXT, **options)
+    events.clear()
+    stream = engine.stream(TEXT, **options)
+    _check_stream(stream, offline)
+    chunks = [value for name, value in events if name == "threads"]
+    assert chunks[0] == (team or own) and set(chunks[1:]) == {own}
+    if team is not None:
+        assert [name for name, _ in events[:3]] == ["threads", "decoded", "step"]
+    with engine.stream(TEXT, **options) as other:
+        next(other)  # alone: the team (above)
+        events.clear()
+        with engine.stream(TEXT, **options) as beside:
+            _check_stream(beside, offline)
+    assert {value for name, value in events if name == "threads"} == {own}
+    events.clear()
+    stepped.clear()
+    with engine.scheduler(max_batch=2) as scheduler:  # a server's streams: the same, alone
+        _check_stream(scheduler.stream(TEXT, **options), offline)
+    assert [value for name, value in events if name == "threads"][0] == (team or own)
+    if team is not None:
+        assert [name for name, _ in events[:3]] == ["threads", "decoded", "step"]
 
 
 def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
