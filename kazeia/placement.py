@@ -39,6 +39,9 @@ from .products import own_threads
 # Decodes that may run on generation's own cores while generation waits (kazeia/lanes.py): one, so
 # that a stream short of audio is decoded without waiting for a vocoder lane.
 SPARE_LANES = 1
+# The longest first chunk that takes the team (`first_chunk_team`): its decode is the wait for first
+# audio; a longer one is decoded while generation goes on (its generation would wait for all of it).
+FIRST_CHUNK_TEAM_FRAMES = 2
 
 
 def stage_threads() -> int:
@@ -101,14 +104,16 @@ class Placement:
         team while `running` counts this request alone, else torch's threads."""
         return lambda: self.prompt_team if running.count() == 1 else None
 
-    def first_chunk_team(self, running: Running, counts: int = 1) -> Callable[[], int | None] | None:
+    def first_chunk_team(self, running: Running, counts: int = 1, frames: int = 1) -> Callable[[], int | None] | None:
         """The threads of a stream's first chunk, asked at each of its convolutions: the prompt
         team's while `running` counts this stream alone (`counts`: what it counts for the stream),
-        None (the vocoder's own) once anything else runs; None where there is no team. While its
-        first chunk may take the team, a stream's generation waits for it (kazeia/streaming.py): a
-        split decode would otherwise wait for its share on a core the next frame's generation holds."""
+        None (the vocoder's own) once anything else runs; None where there is no team, or where
+        the first chunk is longer than `FIRST_CHUNK_TEAM_FRAMES` (`frames`: a throughput choice,
+        such as an offline synthesis's blocks, not first audio). While its first chunk may take
+        the team, a stream's generation waits for it (kazeia/producer.py): a split decode would
+        otherwise wait for its share on a core the next frame's generation holds."""
         team = self.prompt_team
-        if team is None or not isinstance(team.threads, int):
+        if team is None or not isinstance(team.threads, int) or frames > FIRST_CHUNK_TEAM_FRAMES:
             return None
         whole = team.threads
         return lambda: whole if running.count() == counts else None

@@ -354,20 +354,21 @@ def open_stream(
     """A `SpeechStream` speaking `request`, its frames from `source`; counted in `runtime.running`
     until it closes (its vocoder works until then)."""
     ref = request.cond.reference_codes
+    schedule = schedule or ChunkSchedule()
     runtime.running.enter()
     try:
         state = None if ref is None else runtime.priming.state(ref)
         return SpeechStream(
             source,
             runtime.vocoder,
-            schedule or ChunkSchedule(),
+            schedule,
             request.seed,
             time.perf_counter() if started is None else started,
             state,
             request.live,
             request.speed,
             on_close=runtime.running.leave,
-            first_team=runtime.placement.first_chunk_team(runtime.running, source.counts),
+            first_team=runtime.placement.first_chunk_team(runtime.running, source.counts, schedule.first),
         )
     except BaseException:  # no thread could be started, no memory to prime the vocoder: what was taken is given back
         runtime.running.leave()

@@ -278,7 +278,8 @@ def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines,
     """A stream alone in the engine decodes its first chunk on the prompt team, and its generation
     makes no further frame until that chunk is decoded (a split decode would wait for its share on
     a core the next frame's generation held); its later chunks, and the first chunk of a stream
-    opened beside another, keep the vocoder's own threads. The audio is the offline audio."""
+    opened beside another, and an offline synthesis's first block keep the vocoder's own threads.
+    The audio is the offline audio."""
     engine = engines["0.6B-custom"]
     team = _threads(engine.runtime.placement.prompt_team)  # None on a one-core machine
     own = torch.get_num_threads()
@@ -287,7 +288,7 @@ def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines,
 
     def decoding(self, codes, state, pause=no_pause):
         events.append(("threads", cpu.stage_team()))
-        if sum(e[0] == "threads" for e in events) == 1 and team is not None:
+        if sum(e[0] == "threads" for e in events) == 1 and team is not None and not stepped.is_set():
             stepped.wait(timeout=2.0)  # a generation that went on would step meanwhile
         audio = decode_chunk(self, codes, state, pause)
         events.append(("decoded", None))
@@ -301,8 +302,12 @@ def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines,
     monkeypatch.setattr(Vocoder, "decode_chunk", decoding)
     monkeypatch.setattr(FrameStep, "decode", stepping)
     options = {"voice": "ryan", "seed": 3, "max_new_tokens": 8, "ignore_eos": True}
+    stepped.set()  # an offline synthesis: its first block is no first audio, and nobody waits for it
     offline = engine.synthesize(TEXT, **options)
+    assert {value for name, value in events if name == "threads"} == {own}
+    assert [name for name, _ in events].index("step") < [name for name, _ in events].index("decoded")
     events.clear()
+    stepped.clear()
     stream = engine.stream(TEXT, **options)
     _check_stream(stream, offline)
     chunks = [value for name, value in events if name == "threads"]
