@@ -59,7 +59,7 @@ def set_stage_threads(threads: int | None, device: torch.device) -> None:
 
 
 class Running:
-    """How many requests and open streams an engine has (a scheduler's stream counts as both):
+    """How many requests and open streams an engine has (a stream's request counts by its stream):
     `enter` counts one in, `leave` one out."""
 
     def __init__(self) -> None:
@@ -104,19 +104,19 @@ class Placement:
         team while `running` counts this request alone, else torch's threads."""
         return lambda: self.prompt_team if running.count() == 1 else None
 
-    def first_chunk_team(self, running: Running, counts: int = 1, frames: int = 1) -> Callable[[], int | None] | None:
+    def first_chunk_team(self, running: Running, frames: int = 1) -> Callable[[], int | None] | None:
         """The threads of a stream's first chunk, asked at each of its convolutions: the prompt
-        team's while `running` counts this stream alone (`counts`: what it counts for the stream),
-        None (the vocoder's own) once anything else runs; None where there is no team, or where
-        the first chunk is longer than `FIRST_CHUNK_TEAM_FRAMES` (`frames`: a throughput choice,
-        such as an offline synthesis's blocks, not first audio). While its first chunk may take
-        the team, a stream's generation waits for it (kazeia/producer.py): a split decode would
-        otherwise wait for its share on a core the next frame's generation holds."""
+        team's while `running` counts this stream alone, None (the vocoder's own) once anything
+        else runs; None where there is no team, or where the first chunk is longer than
+        `FIRST_CHUNK_TEAM_FRAMES` (`frames`: a throughput choice, such as an offline synthesis's
+        blocks, not first audio). While its first chunk may take the team, a stream's generation
+        waits for it (kazeia/producer.py): a split decode would otherwise wait for its share on a
+        core the next frame's generation holds."""
         team = self.prompt_team
         if team is None or not isinstance(team.threads, int) or frames > FIRST_CHUNK_TEAM_FRAMES:
             return None
         whole = team.threads
-        return lambda: whole if running.count() == counts else None
+        return lambda: whole if running.count() == 1 else None
 
     def vocoder_lanes(self, lanes: int | None) -> int:
         """Decodes of a scheduler's streams at once: `lanes`, or as many as fit beside generation's

@@ -107,8 +107,6 @@ class Scheduled:
     when made (`Scheduler.source`), admitted when its frames are first asked for, its place given
     back when they end."""
 
-    counts = 2  # its stream, and its `timeline` while admitted
-
     def __init__(self, scheduler: Scheduler, ticket: Ticket, request: Request, should_stop):
         self.scheduler, self.ticket, self.request, self.should_stop = scheduler, ticket, request, should_stop
         self.lanes = scheduler.lanes

@@ -97,12 +97,6 @@ class FrameSource(Protocol):
         """The turns the stream's vocoder takes (None: it decodes at once)."""
         ...
 
-    @property
-    def counts(self) -> int:
-        """What `runtime.running` counts for the stream while its frames are made: 1 (the stream),
-        2 in a scheduler (its stream and its timeline)."""
-        ...
-
     def frames(self, stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
         """The frames, each segment's last followed by its Segment; `stop()` ends them early."""
         ...
@@ -368,7 +362,7 @@ def open_stream(
             request.live,
             request.speed,
             on_close=runtime.running.leave,
-            first_team=runtime.placement.first_chunk_team(runtime.running, source.counts, schedule.first),
+            first_team=runtime.placement.first_chunk_team(runtime.running, schedule.first),
         )
     except BaseException:  # no thread could be started, no memory to prime the vocoder: what was taken is given back
         runtime.running.leave()

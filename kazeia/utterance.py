@@ -38,13 +38,14 @@ def timeline(
     with `carry_context` the previous segment's text and frames as in-context reference (a segment
     the guard found looping is not continued). A segment the caller stops ends the utterance.
     `steps`: who runs the frame steps (None: at once, the first prompt on the placement's team
-    while the engine runs nothing else). Counted in `runtime.running` while it runs."""
+    while the engine runs nothing else). Counted in `runtime.running` while it runs, except with
+    `steps` (a scheduler's): its stream counts it (`streaming.open_stream`)."""
+    if steps is not None:
+        yield from _segments(runtime, request, should_stop, steps, steps)
+        return
     runtime.running.enter()
     try:
-        if steps is None:
-            yield from _unscheduled(runtime, request, should_stop)
-        else:
-            yield from _segments(runtime, request, should_stop, steps, steps)
+        yield from _unscheduled(runtime, request, should_stop)
     finally:
         runtime.running.leave()
 
@@ -165,7 +166,6 @@ class Unscheduled:
     """The frames of a stream generated in its own thread, each step at once (a `FrameSource`)."""
 
     lanes = None
-    counts = 1  # the stream only: `frames` is not a `timeline`
 
     def __init__(self, runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None = None):
         self.runtime, self.request, self.should_stop = runtime, request, should_stop
