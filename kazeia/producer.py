@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -21,16 +22,28 @@ class FrameProgress:
     ended_at: float | None = None  # perf_counter() when the last item was generated
 
 
+class FirstChunk(NamedTuple):
+    """A stream's first chunk as its worker sees it (placement.first_chunk_team)."""
+
+    frames: int  # frames it holds
+    team: Callable[[], int | None] | None  # threads its decode may take now (None from it: none more)
+    decoded: threading.Event  # set once it is decoded
+
+    def waits(self, made: int) -> bool:
+        """Whether generation, `made` frames in, waits for the chunk's decode: its last frame is
+        made and the decode may take the team."""
+        return made == self.frames and self.team is not None and bool(self.team())
+
+
 def generate(
     make_frames,
     frames_out: queue.Queue,
     stop: threading.Event,
     progress: FrameProgress,
-    first: tuple[int, Callable[[], int | None] | None, threading.Event],
+    first: FirstChunk,
 ) -> None:
-    """Worker: put each generated frame, then DONE (or the exception), on the queue. `first`:
-    (frames, team, out): after the first chunk's `frames`, while `team()` says it may take the
-    team, wait until `out` is set (the chunk decoded: placement.first_chunk_team).
+    """Worker: put each generated frame, then DONE (or the exception), on the queue; after the
+    first chunk's frames, wait for its decode where `first` says so.
 
     Holds no reference to the SpeechStream, so dropping the stream (e.g. leaving a `for` loop over
     a temporary) collects it, and its finaliser stops this worker.
@@ -43,8 +56,8 @@ def generate(
                 progress.frames += 1
             if not put(frames_out, frame, stop):
                 return
-            if isinstance(frame, torch.Tensor) and progress.frames == first[0] and first[1] and first[1]():
-                while not first[2].wait(0.05):  # as put: a closed stream ends the wait
+            if isinstance(frame, torch.Tensor) and first.waits(progress.frames):
+                while not first.decoded.wait(0.05):  # as put: a closed stream ends the wait
                     if stop.is_set():
                         return
         progress.ended_at = time.perf_counter()

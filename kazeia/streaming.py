@@ -33,7 +33,7 @@ from . import cpu
 from .heap import trim_now_and_then
 from .lanes import LaneStopped, VocoderLanes
 from .options import ChunkSchedule
-from .producer import DONE, FrameProgress, generate
+from .producer import DONE, FirstChunk, FrameProgress, generate
 from .request import Request
 from .runaway import CANCELLED, overall
 from .runtime import Runtime
@@ -157,7 +157,7 @@ class SpeechStream:
         self._lanes = source.lanes
         source.pace(_weakly(self.needs_frames))  # a source (a scheduler's ticket) must not keep the stream alive
         self._first_team, self._first_out = first_team, threading.Event()
-        first = (schedule.first, first_team, self._first_out)
+        first = FirstChunk(schedule.first, first_team, self._first_out)
         args = (source.frames, self._queue, self._stop, self._progress, first)
         self._worker = threading.Thread(target=generate, args=args, name="kazeia-generate", daemon=True)
         self._worker.start()
