@@ -326,11 +326,12 @@ static void wide_block_any(const void *w, int dt, const float *xs, long cols, lo
 
 /* Floats of x (m rows of cols) laid out for the tiles: for each tile of TILE_X rows, each chunk of
    TILE_COLS columns, the rows' chunks side by side (TILE_COLS floats a row, a last chunk padded). */
+static long wide_chunks(long cols) { return (cols + TILE_COLS - 1) / TILE_COLS; }
 static long wide_layout_floats(long m, long cols) {
-    return (m + TILE_X - 1) / TILE_X * ((cols + TILE_COLS - 1) / TILE_COLS) * TILE_X * TILE_COLS;
+    return (m + TILE_X - 1) / TILE_X * wide_chunks(cols) * TILE_X * TILE_COLS;
 }
 static void wide_layout(const float *x, long m, long cols, float *tiles) {
-    const long chunks = (cols + TILE_COLS - 1) / TILE_COLS;
+    const long chunks = wide_chunks(cols);
     for (long i = 0; i < m; i++)
         for (long c = 0; c < chunks; c++) {
             const long first = c * TILE_COLS, n = cols - first < TILE_COLS ? cols - first : TILE_COLS;
@@ -343,7 +344,7 @@ static void wide_layout(const float *x, long m, long cols, float *tiles) {
    last weight row through row_dot. */
 static void wide_tiles(const struct wide_job *j, long r0, long r1) {
     const long width = j->wdt == F32 ? 4 : 2;
-    const long step = 4 * LANES, blocks = j->cols / step, chunk = TILE_COLS / step, chunks = (blocks + chunk - 1) / chunk;
+    const long step = 4 * LANES, blocks = j->cols / step, chunk = TILE_COLS / step, chunks = wide_chunks(j->cols);
     const int pairs = (int)((r1 - r0) / 2);
     tile_part part[PAIRS];
     for (long i = 0; i < j->m; i += TILE_X) {
