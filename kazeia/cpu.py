@@ -227,11 +227,15 @@ class Team(NamedTuple):
 _local = threading.local()
 
 
+def _count(threads: int | Callable[[], int | None] | None) -> int | None:
+    """A team's thread count now: a callable asked, a count as it is (None: none)."""
+    return threads() if callable(threads) else threads
+
+
 def native_threads() -> int:
     """The threads Kazeia's own multi-threaded kernels may take in the calling thread: its
     `team`'s (asked at each call where the team is a callable; None from it: one), else one."""
-    threads = getattr(_local, "threads", 1)
-    return (threads() if callable(threads) else threads) or 1
+    return _count(getattr(_local, "threads", None)) or 1
 
 
 def stage_team() -> int:
@@ -240,8 +244,7 @@ def stage_team() -> int:
     stage's own (kazeia/placement.py)."""
     import torch
 
-    threads = getattr(_local, "threads", None)
-    return (threads() if callable(threads) else threads) or torch.get_num_threads()
+    return _count(getattr(_local, "threads", None)) or torch.get_num_threads()
 
 
 @contextlib.contextmanager
@@ -265,7 +268,7 @@ def team(threads: int | Callable[[], int | None] | None, openmp: bool = True) ->
     before, native = torch.get_num_threads(), getattr(_local, "threads", None)
     _local.threads = threads
     if set_team is not None:
-        set_team((threads() if callable(threads) else threads) or before)
+        set_team(_count(threads) or before)
     try:
         yield
     finally:
