@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from kazeia import Engine, native
+from kazeia import Engine, cpu, native
 from kazeia.conv import SnakeBeta
 from kazeia.layers import Block, KVCache, RMSNorm, Rotary, fuse_projections
 from kazeia.matmul import can_pack, pack_linears, replace_linears
@@ -337,7 +337,8 @@ def test_without_the_library_snake_beta_runs_in_pytorch(monkeypatch):
 def test_native_gemv_is_the_exact_product_rounded_once(dtype, shape):
     """gemv.c against float64 on the same (dtype-rounded) values: every build's vector path (this
     machine's, and through tests/test_cpu.py each smaller level's), odd sizes with tails, one and
-    two rows, a bias; two rows give each row what it gets alone (the same sums)."""
+    two rows, a bias; two rows give each row what it gets alone (the same sums), and so do the
+    weight rows split over a team (a frame step that takes the vocoder's core: gemv_team)."""
     if not native_gemv(dtype):
         pytest.skip("no vector native product for this dtype in this build")
     rows, cols, m = shape
@@ -353,8 +354,13 @@ def test_native_gemv_is_the_exact_product_rounded_once(dtype, shape):
         got = layer(x)
         exact = (x.double() @ linear.weight.double().T + linear.bias.double()).to(dtype)
         alone = torch.cat([layer(x[i : i + 1]) for i in range(m)])
+        teams = []
+        for threads in (2, 3):
+            with cpu.team(threads, openmp=False):
+                teams.append(layer(x))
     assert got.dtype == dtype and got.shape == (m, rows)
     assert torch.equal(got, alone)
+    assert all(torch.equal(got, team) for team in teams)
     step = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
     torch.testing.assert_close(got.double(), exact.double(), rtol=step, atol=step * float(exact.abs().max()))
 

@@ -213,6 +213,7 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "vconv8_packed_bytes": ([_LONG, _INT, _LONG], _LONG),
     "vconv8_kernel": ([], _INT),
     "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
+    "gemv_team": ([*[_P] * 4, _LONG, _LONG, _INT, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
     "gemv_bf16_dot": ([], _INT),
     "gemm_wide": ([_P, _INT, *[_P] * 3, _LONG, _LONG, _LONG, _INT], _INT),

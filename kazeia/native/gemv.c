@@ -200,34 +200,63 @@ static void row_dot_any(const void *w, int dt, const float *xf, int m, long cols
 
 enum { MAX_ROWS = 256 }; /* activation rows one call takes */
 
+/* One thread's share of gemv_team: weight rows [first, last). */
+struct gemv_job {
+    const void *w, *x, *bias;
+    void *y;
+    const float *xf; /* x widened to float32 */
+    long rows, cols, first, last;
+    int m, dt;
+};
+
+static void *gemv_job_run(void *arg) {
+    const struct gemv_job *j = arg;
+    const long cols = j->cols, width = j->dt == F32 ? 4 : 2; /* bytes per value */
+    for (long r = j->first; r < j->last; r++) {
+        const void *row = (const char *)j->w + r * cols * width;
+        for (int i = 0; i < j->m; i += 2) {
+            const int pair = j->m - i < 2 ? j->m - i : 2;
+            float sums[2];
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+            if (j->dt == BF16)
+                row_dot_bf16((const uint16_t *)row, (const uint16_t *)j->x + (long)i * cols, pair, cols, sums);
+            else
+#endif
+                row_dot_any(row, j->dt, j->xf + (long)i * cols, pair, cols, sums);
+            for (int k = 0; k < pair; k++) {
+                float v = sums[k];
+                if (j->bias) v += load(j->bias, r, j->dt);
+                store(j->y, (long)(i + k) * j->rows + r, v, j->dt);
+            }
+        }
+    }
+    return NULL;
+}
+
+enum { GEMV_THREADS = 16, GEMV_SHARE = 64 }; /* at most MAX_JOBS (jobs.h); the fewest weight rows worth a thread */
+
 /* y (m x rows, dt) = x (m x cols, dt) @ w.T (w: rows x cols, dt) [+ bias (rows, dt)], 1 <= m <=
-   MAX_ROWS. Returns 0, -1 for an m it does not take, -2 when out of memory. */
-int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt) {
+   MAX_ROWS, the weight rows split over `threads` threads (stack.c: a step that may take the
+   vocoder's core); each row's result is the same whatever the split. Returns 0, -1 for an m it
+   does not take, -2 when out of memory. */
+int gemv_team(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt,
+              int threads) {
     if (m < 1 || m > MAX_ROWS) return -1;
     float *xf = line_buffer(sizeof(float) * (size_t)m * (size_t)cols);
     if (!xf) return -2;
     for (long i = 0; i < m * cols; i++) xf[i] = load(x, i, dt);
-    const long width = dt == F32 ? 4 : 2; /* bytes per value */
-    for (long r = 0; r < rows; r++) {
-        const void *row = (const char *)w + r * cols * width;
-        for (int i = 0; i < m; i += 2) {
-            const int pair = m - i < 2 ? m - i : 2;
-            float sums[2];
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-            if (dt == BF16)
-                row_dot_bf16((const uint16_t *)row, (const uint16_t *)x + (long)i * cols, pair, cols, sums);
-            else
-#endif
-                row_dot_any(row, dt, xf + (long)i * cols, pair, cols, sums);
-            for (int j = 0; j < pair; j++) {
-                float v = sums[j];
-                if (bias) v += load(bias, r, dt);
-                store(y, (long)(i + j) * rows + r, v, dt);
-            }
-        }
-    }
+    threads = job_count(threads, rows / GEMV_SHARE, GEMV_THREADS);
+    struct gemv_job jobs[GEMV_THREADS];
+    for (int i = 0; i < threads; i++)
+        jobs[i] = (struct gemv_job){w, x, bias, y, xf, rows, cols, rows * i / threads, rows * (i + 1) / threads, m, dt};
+    run_jobs(gemv_job_run, jobs, sizeof jobs[0], threads);
     free(xf);
     return 0;
+}
+
+/* gemv_team on the calling thread alone (a Python product, kazeia/native/linear.py). */
+int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt) {
+    return gemv_team(w, x, bias, y, rows, cols, m, dt, 1);
 }
 
 /* One thread's share of gemm_wide: weight rows [first, last). */

@@ -57,8 +57,8 @@ class NativeLinear(nn.Module):
         y = torch.empty(m, self.out_features, dtype=self.weight.dtype)
         if m == 0:  # e.g. live text's empty text track: nothing to multiply
             return y
-        status = self.lib.gemv(self.weight.data_ptr(), rows.data_ptr(), address(self.bias), y.data_ptr(),
-                               self.out_features, self.in_features, m, self.dt)  # fmt: skip
+        status = self.lib.gemv_team(self.weight.data_ptr(), rows.data_ptr(), address(self.bias), y.data_ptr(),
+                                    self.out_features, self.in_features, m, self.dt, cpu.native_threads())  # fmt: skip
         check(status, f"the GEMV of {m} rows (at most {MAX_ROWS})")
         return y
 

@@ -30,7 +30,8 @@ typedef struct {
     const void *qk_w, *post_w, *next_w; /* q/k norm scales; post-attention norm; the next norm */
 } Layer;
 
-int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt);
+int gemv_team(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt,
+              int threads);
 int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
               int threads);
 int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
@@ -42,11 +43,11 @@ void attend(const void *qkv, const void *qk_w, const void *cos, const void *sin,
             void *out, float *scratch, int count, int nq, int nkv, int hd, int cap, int pos, float eps, int dt);
 void silu_mul(const void *gate_up, void *out, int rows, int n, int dt);
 
-/* One product on `threads` threads (the float GEMV on one). */
+/* One product on `threads` threads. */
 static int product(const Product *p, const void *x, void *y, int m, int threads) {
     switch (p->kind) {
     case GEMV:
-        return gemv(p->w, x, p->bias, y, p->rows, p->cols, m, p->dt);
+        return gemv_team(p->w, x, p->bias, y, p->rows, p->cols, m, p->dt, threads);
     case WIDE:
         return gemm_wide(p->w, 1, x, p->bias, y, p->rows, p->cols, m, threads);
     case INT4:
