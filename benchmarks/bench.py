@@ -203,7 +203,8 @@ def products_only(engine, frames: int) -> float:
     generation it is held to (a one-frame sample would be judged against a 50-frame run: the best
     of a few short samples catches quiet moments of a shared machine that a long run cannot).
     Each product is its layer's own call, so it runs the kernel the model uses: the native int8,
-    int4 or GEMV product where the layer has one, the int8 GEMM or a stock one where it has not."""
+    int4 or GEMV product where the layer has one, the int8 GEMM or a stock one where it has not,
+    on the threads generation takes while nothing else runs (`Placement.decode_team`)."""
     per_frame, per_group, heads = _products(engine)
     dtype = engine.model.talker.norm.weight.dtype  # activations (float32 for int8 and int4 weights)
     modules = per_frame + per_group + heads
@@ -214,7 +215,10 @@ def products_only(engine, frames: int) -> float:
 
     frame, group = [product(m) for m in per_frame], [product(m) for m in per_group]
     head_calls = [product(m) for m in heads]
-    with torch.inference_mode():
+    from kazeia import cpu
+
+    team = engine.runtime.placement.decode_team(engine.runtime.decoding, lambda: False, [])
+    with torch.inference_mode(), cpu.team(*(team or cpu.Team(None))):
         start = time.perf_counter()
         for _ in range(frames):
             for call in frame:

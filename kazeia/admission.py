@@ -34,6 +34,8 @@ class Ticket:
         self.should_stop: Callable[[], bool] = lambda: False  # set when its stream starts
         # whether its stream's vocoder is short of frames (SpeechStream.needs_frames), once it is made
         self.needs_frames: Callable[[], bool] = lambda: True
+        # whether its stream's next chunk still needs a frame (SpeechStream.chunk_far)
+        self.chunk_far: Callable[[], bool] = lambda: True
         self.queued_at = time.perf_counter()
         self.admitted = False
 

@@ -150,11 +150,22 @@ class FrameStep:
 
     @torch.inference_mode()
     def decode(
-        self, states: list[Decoding], texts: list[torch.Tensor], pause: Callable[[], None] = go_on
+        self,
+        states: list[Decoding],
+        texts: list[torch.Tensor],
+        pause: Callable[[], None] = go_on,
+        team: cpu.Team | None = None,
     ) -> list[torch.Tensor | None]:
         """The next frame of each request: states[b] steps on the last frame's embedding plus
         texts[b] (1, 1, H), its text-track vector -> its codes (1, 16), or None at its EOS or token
-        limit. `pause()`: called between the step's stages (module docstring)."""
+        limit. `pause()`: called between the step's stages (module docstring). `team`: the step's
+        threads (`cpu.team`; None: as they are); the codes do not depend on them."""
+        with cpu.team(*(team or cpu.Team(None))):
+            return self._decode(states, texts, pause)
+
+    def _decode(
+        self, states: list[Decoding], texts: list[torch.Tensor], pause: Callable[[], None]
+    ) -> list[torch.Tensor | None]:
         if len(states) != len(texts):
             raise ValueError(f"{len(states)} requests but {len(texts)} text vectors")
         if len(states) > self.max_batch:

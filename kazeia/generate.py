@@ -47,16 +47,22 @@ class Steps(abc.ABC):
 
 class CallerSteps(Steps):
     """Each step at once, in the caller's thread, on the frame step alone (B = 1). `team()`: the
-    threads of the prefill, asked when it starts (kazeia/placement.py; None: torch's)."""
+    threads of the prefill, asked when it starts; `decode_team`: those of each frame step
+    (kazeia/placement.py; None: torch's)."""
 
-    def __init__(self, step: FrameStep, team: Callable[[], cpu.Team | None] = lambda: None):
-        self.step, self.team = step, team
+    def __init__(
+        self,
+        step: FrameStep,
+        team: Callable[[], cpu.Team | None] = lambda: None,
+        decode_team: cpu.Team | None = None,
+    ):
+        self.step, self.team, self.decode_team = step, team, decode_team
 
     def prefill(self, prompt: Prompt, opts: SamplingOptions, generator: torch.Generator | None):
         return self.step.prefill(prompt, opts, generator, self.team())
 
     def decode(self, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
-        return self.step.decode([state], [text])[0]
+        return self.step.decode([state], [text], team=self.decode_team)[0]
 
 
 @torch.inference_mode()

@@ -14,7 +14,10 @@ needs them:
   several prompts waiting at once share the team (`scheduled_prompt_team`, `prompts_at_once`).
 
 A stream's first chunk may take the team too while the engine runs nothing else
-(`first_chunk_team`); its generation waits for that chunk rather than take a core from it.
+(`first_chunk_team`); its generation waits for that chunk rather than take a core from it. After
+it, generation's frame steps take the team whenever no decode or other prompt runs
+(`decode_team`): a stream's vocoder decodes a chunk, then waits for the next one, and its core
+would sit idle meanwhile.
 
 The streams of a scheduler decode their audio in turns (kazeia/lanes.py): `vocoder_lanes` decodes at
 once, by default as many as fit beside generation's threads. The mechanisms live elsewhere: a
@@ -26,14 +29,16 @@ which product kernels a model uses (kazeia/model.py).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from . import cpu
+from .neighbours import NEIGHBOURS
 from .products import own_threads
 
 # Decodes that may run on generation's own cores while generation waits (kazeia/lanes.py): one, so
@@ -77,6 +82,15 @@ class Running:
         with self._lock:
             return self._count
 
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """The block counted in while it runs."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -117,6 +131,30 @@ class Placement:
             return None
         whole = team.threads
         return lambda: whole if running.count() == 1 else None
+
+    def decode_team(
+        self, decoding: Running, others: Callable[[], bool], far: Sequence[Callable[[], bool]]
+    ) -> cpu.Team | None:
+        """The team of generation's frame steps: the prompt team's threads while no decode runs
+        (`decoding` counts them), nothing else needs the cores (`others()`: a prompt, another
+        stream) and each of the step's streams' next chunk still needs a frame (`far`:
+        SpeechStream.chunk_far), else generation's own. Asked at each of Kazeia's products (a
+        native step: once a stack), so a step takes the vocoder's core only while the vocoder has
+        nothing to decode and cannot start before the step ends, and no other process takes this
+        process's CPUs (kazeia/neighbours.py: a split step waits for its share). Only Kazeia's own products take
+        it (torch's regions keep their count: a step's products are native wherever a team helps);
+        their results do not depend on their threads. None where there is no such team (one
+        core)."""
+        team = self.prompt_team
+        if team is None or not isinstance(team.threads, int):
+            return None
+        alone, whole = self.threads, team.threads
+
+        def now() -> int:
+            busy = decoding.count() > 0 or others() or not all(ready() for ready in far)
+            return alone if busy or NEIGHBOURS.busy() else whole
+
+        return cpu.Team(now, False)
 
     def vocoder_lanes(self, lanes: int | None) -> int:
         """Decodes of a scheduler's streams at once: `lanes`, or as many as fit beside generation's

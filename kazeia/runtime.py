@@ -46,6 +46,7 @@ class Runtime:
     priming: Priming  # ICL voices: the vocoder's state after their reference frames
     placement: Placement  # where work runs
     running: Running  # requests and open streams now
+    decoding: Running  # vocoder decodes running now (SpeechStream: its chunks)
     cloner: Cloner | None = None  # Base checkpoints: the speech-tokenizer encoder and the speaker encoder
 
     @classmethod
@@ -64,7 +65,8 @@ class Runtime:
         caps = Capabilities(cfg, tokenizer, defaults, voice_model, vocoder.cfg.codebook_size)
         step = FrameStep(model, voiced_cache())
         placement = Placement.for_model(model, device)
-        return cls(cfg, model, vocoder, tokenizer, device, caps, step, Priming(vocoder), placement, Running(), cloner)
+        counts = Running(), Running()  # requests and streams; decodes
+        return cls(cfg, model, vocoder, tokenizer, device, caps, step, Priming(vocoder), placement, *counts, cloner)
 
     @classmethod
     def load(cls, path_or_id: str | os.PathLike, device: str, dtype: str | None, vocoder_dtype: str,

@@ -116,8 +116,8 @@ class Scheduled:
         self.ticket.should_stop = stop if should_stop is None else (lambda: stop() or should_stop())
         return self.scheduler._admitted(self.ticket, self.request)
 
-    def pace(self, needs_frames: Callable[[], bool]) -> None:
-        self.ticket.needs_frames = needs_frames
+    def pace(self, needs_frames: Callable[[], bool], chunk_far: Callable[[], bool]) -> None:
+        self.ticket.needs_frames, self.ticket.chunk_far = needs_frames, chunk_far
 
     def release(self) -> None:
         self.scheduler.admission.release(self.ticket)
@@ -376,7 +376,9 @@ class Scheduler:
         try:
             with self._model_lock:
                 states, texts = [w.decode[0] for w in going], [w.decode[1] for w in going]  # type: ignore[index]
-                results = self.step.decode(states, texts, self._let_prompts_in)
+                far = [w.owner.chunk_far for w in going]  # the vocoder's core too while no prompt runs (placement)
+                team = self.runtime.placement.decode_team(self.runtime.decoding, lambda: self._prompting > 0, far)
+                results = self.step.decode(states, texts, self._let_prompts_in, team)
         except BaseException as error:
             for work in going:
                 work.finish(error=error)

@@ -33,6 +33,7 @@ from . import cpu
 from .heap import trim_now_and_then
 from .lanes import LaneStopped, VocoderLanes
 from .options import ChunkSchedule
+from .placement import Running
 from .producer import DONE, FirstChunk, FrameProgress, generate
 from .request import Request
 from .runaway import CANCELLED, overall
@@ -101,8 +102,9 @@ class FrameSource(Protocol):
         """The frames, each segment's last followed by its Segment; `stop()` ends them early."""
         ...
 
-    def pace(self, needs_frames: Callable[[], bool]) -> None:
-        """Generation may wait while `needs_frames()` is False (the stream's vocoder has enough)."""
+    def pace(self, needs_frames: Callable[[], bool], chunk_far: Callable[[], bool]) -> None:
+        """Generation may wait while `needs_frames()` is False (the stream's vocoder has enough), and
+        take the vocoder's core while `chunk_far()` is True (placement.decode_team)."""
         ...
 
     def release(self) -> None:
@@ -126,6 +128,7 @@ class SpeechStream:
         speed: float = 1.0,
         on_close: Callable[[], None] | None = None,
         first_team: Callable[[], int | None] | None = None,
+        decoding: Running | None = None,
     ):
         """`state`: where the vocoder starts (ICL voices: after the reference's frames); fresh by default.
         `live`: the stream's `LiveText` when its text is still arriving (for the metrics).
@@ -133,7 +136,8 @@ class SpeechStream:
         `on_close`: called once, when the stream is closed (at its end, by `close`, or collected);
         not when this constructor fails (its caller undoes what it did for the stream then).
         `first_team`: the threads of the first chunk's decode, asked at each of its products (None
-        from it: the vocoder's own); generation waits for that chunk while it says a number."""
+        from it: the vocoder's own); generation waits for that chunk while it says a number.
+        `decoding`: counts each chunk's decode while it runs (the engine's, placement.decode_team)."""
         self._live = live
         self._speed = speed
         self._stretch = None if speed == 1.0 else TimeStretch(speed, vocoder.cfg.sample_rate)
@@ -155,8 +159,10 @@ class SpeechStream:
         self._ttfb: float | None = None
         self._done = False
         self._lanes = source.lanes
-        source.pace(_weakly(self.needs_frames))  # a source (a scheduler's ticket) must not keep the stream alive
+        # a source (a scheduler's ticket) must not keep the stream alive
+        source.pace(_weakly(self.needs_frames), _weakly(self.chunk_far))
         self._first_team, self._first_out = first_team, threading.Event()
+        self._decoding = decoding or Running()
         first = FirstChunk(schedule.first, first_team, self._first_out)
         args = (source.frames, self._queue, self._stop, self._progress, first)
         self._worker = threading.Thread(target=generate, args=args, name="kazeia-generate", daemon=True)
@@ -188,6 +194,13 @@ class SpeechStream:
         catch up with)? A scheduler steps a stream's generation while it is (kazeia/scheduler.py):
         more would only wait in the queue, and leave the batched steps early."""
         return self._progress.frames - self._frames < PACE_CHUNKS * self._schedule.limit(self._chunks)
+
+    def chunk_far(self) -> bool:
+        """Does the vocoder's next chunk still need a frame? A decode starts only once a step has put
+        its chunk's last frame, so until then a step may take the vocoder's core (placement.
+        decode_team) without a decode starting beside it. Asked from generation's thread between
+        its steps, when every frame made is counted."""
+        return self._progress.frames - self._frames < self._schedule.size(self._chunks)
 
     def __iter__(self) -> SpeechStream:
         return self
@@ -241,23 +254,10 @@ class SpeechStream:
 
     def _emit(self, is_last: bool) -> AudioChunk:
         frames, self._pending = self._pending, []
-        self._frames += len(frames)  # before the decode: `needs_frames` is asked from another thread
-        if frames:
-            codes = torch.stack(frames)  # (n, 16)
-            team = self._first_team if self._chunks == 0 else None
-            try:
-                with self._turn() as pause, torch.inference_mode(), cpu.team(team, openmp=False):
-                    if pause is None:  # closed while waiting for the vocoder
-                        raise StopIteration
-                    audio = self._vocoder.decode_chunk(codes, self._state, pause)  # (n * 1920,)
-            except LaneStopped:  # closed while a paused decode waited (its state is abandoned)
-                raise StopIteration from None
-            finally:
-                self._first_out.set()  # generation goes on (after the first chunk; at once later)
-            samples = audio.float().cpu().numpy().astype(np.float32, copy=False)
-            self._codes.append(codes)
-        else:  # the end became known only after the previous chunk went out
-            samples = np.zeros(0, dtype=np.float32)
+        with self._decoding.counting():  # counted before the frames leave what `chunk_far` reads
+            self._frames += len(frames)  # before the decode: `needs_frames` is asked from another thread
+            # no frames: the end became known only after the previous chunk went out
+            samples = self._decode(frames) if frames else np.zeros(0, dtype=np.float32)
         if self._stretch is not None:  # what the stretch can give so far; all the rest at the end
             samples = self._stretch.push(samples)
             if is_last:
@@ -281,6 +281,22 @@ class SpeechStream:
         if is_last:
             self._finish()
         return chunk
+
+    def _decode(self, frames: list[torch.Tensor]) -> np.ndarray:
+        """The next chunk's audio from its frames (float32, n * 1920 samples)."""
+        codes = torch.stack(frames)  # (n, 16)
+        team = self._first_team if self._chunks == 0 else None
+        try:
+            with self._turn() as pause, torch.inference_mode(), cpu.team(team, openmp=False):
+                if pause is None:  # closed while waiting for the vocoder
+                    raise StopIteration
+                audio = self._vocoder.decode_chunk(codes, self._state, pause)  # (n * 1920,)
+        except LaneStopped:  # closed while a paused decode waited (its state is abandoned)
+            raise StopIteration from None
+        finally:
+            self._first_out.set()  # generation goes on (after the first chunk; at once later)
+        self._codes.append(codes)
+        return audio.float().cpu().numpy().astype(np.float32, copy=False)
 
     def _turn(self) -> AbstractContextManager[Callable[[], None] | None]:
         """The vocoder's turn for the next chunk, as its `pause`: at once (no pauses), or a lane of
@@ -363,6 +379,7 @@ def open_stream(
             request.speed,
             on_close=runtime.running.leave,
             first_team=runtime.placement.first_chunk_team(runtime.running, schedule.first),
+            decoding=runtime.decoding,
         )
     except BaseException:  # no thread could be started, no memory to prime the vocoder: what was taken is given back
         runtime.running.leave()

@@ -51,12 +51,18 @@ def timeline(
 
 
 def _unscheduled(
-    runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None
+    runtime: Runtime,
+    request: Request,
+    should_stop: Callable[[], bool] | None,
+    chunk_far: Callable[[], bool] = lambda: True,
 ) -> Iterator[torch.Tensor | Segment]:
     """`_segments` with each step at once, the first prompt on the placement's team while the
-    runtime counts this request alone."""
-    first = generate.CallerSteps(runtime.step, runtime.placement.first_prompt_team(runtime.running))
-    return _segments(runtime, request, should_stop, first, generate.CallerSteps(runtime.step))
+    runtime counts this request alone, a frame step too while nothing decodes and its stream's
+    next chunk still needs a frame (`chunk_far`: always without a stream)."""
+    placement, running = runtime.placement, runtime.running
+    steps = placement.decode_team(runtime.decoding, lambda: running.count() > 1, [chunk_far])
+    first = generate.CallerSteps(runtime.step, placement.first_prompt_team(running), steps)
+    return _segments(runtime, request, should_stop, first, generate.CallerSteps(runtime.step, decode_team=steps))
 
 
 def _segments(
@@ -169,14 +175,17 @@ class Unscheduled:
 
     def __init__(self, runtime: Runtime, request: Request, should_stop: Callable[[], bool] | None = None):
         self.runtime, self.request, self.should_stop = runtime, request, should_stop
+        self.chunk_far: Callable[[], bool] = lambda: True
 
     def frames(self, stop: Callable[[], bool]) -> Iterator[torch.Tensor | Segment]:
         """`timeline`'s, counted in `runtime.running` once, by the stream (`streaming.open_stream`)."""
         either = stop if self.should_stop is None else (lambda: stop() or self.should_stop())  # type: ignore[misc]
-        return _unscheduled(self.runtime, self.request, either)
+        return _unscheduled(self.runtime, self.request, either, lambda: self.chunk_far())
 
-    def pace(self, needs_frames: Callable[[], bool]) -> None:
-        """Unpaced: the stream's queue bounds how far generation runs ahead."""
+    def pace(self, needs_frames: Callable[[], bool], chunk_far: Callable[[], bool]) -> None:
+        """Unpaced: the stream's queue bounds how far generation runs ahead. `chunk_far`: whether
+        a step may take the vocoder's core (`_unscheduled`)."""
+        self.chunk_far = chunk_far
 
     def release(self) -> None:
         """Nothing was taken before the stream started."""

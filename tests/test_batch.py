@@ -772,9 +772,9 @@ def test_a_joining_streams_prefill_runs_at_the_next_frame_boundary(typed, monkey
             events.append("prefill")
             prefill(work)
 
-        def watched_step(states, texts, pause=no_pause):
+        def watched_step(states, texts, pause=no_pause, team=None):
             events.append("step")
-            return step(states, texts, pause)
+            return step(states, texts, pause, team)
 
         monkeypatch.setattr(scheduler, "_exclusive", watched_prompt)
         monkeypatch.setattr(scheduler, "_prefill", watched_prefill)
@@ -804,7 +804,7 @@ def test_a_stream_that_joins_during_a_step_starts_within_it(typed, monkeypatch):
         def join() -> None:
             joining["got"] = _speak(scheduler.stream(TEXTS[1], **options))
 
-        def watched_step(states, texts, pause=no_pause):
+        def watched_step(states, texts, pause=no_pause, team=None):
             third = events.count("step") == 2
             events.append("step")
 
@@ -819,7 +819,7 @@ def test_a_stream_that_joins_during_a_step_starts_within_it(typed, monkeypatch):
                         time.sleep(0.002)
                 pause()
 
-            got = step(states, texts, watched_pause)
+            got = step(states, texts, watched_pause, team)
             events.append("end")
             return got
 

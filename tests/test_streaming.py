@@ -3,6 +3,7 @@
 import gc
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,13 +12,14 @@ from conftest import INT8
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kazeia import Engine, cpu, streaming
+from kazeia import Engine, cpu, placement, streaming
 from kazeia.frame import FrameStep, go_on
 from kazeia.live import TextFeed
 from kazeia.prompt import build_prompt
 from kazeia.scheduler import SchedulerBusy
 from kazeia.segment import LongTextOptions
 from kazeia.streaming import QUEUE_FRAMES, ChunkSchedule
+from kazeia.utterance import timeline
 from kazeia.vocoder import Vocoder, no_pause
 
 TEXT = "Streaming should sound exactly like offline synthesis."
@@ -112,10 +114,10 @@ def test_a_consumer_that_keeps_up_gets_its_chunk_size(engines, monkeypatch):
     step = engine.runtime.step.decode
     permits = threading.Semaphore(0)
 
-    def gated_step(*args):  # every frame after the prompt's first waits for a permit
+    def gated_step(*args, **kwargs):  # every frame after the prompt's first waits for a permit
         if not permits.acquire(timeout=60):
             raise RuntimeError("no permit came for this frame")
-        return step(*args)
+        return step(*args, **kwargs)
 
     monkeypatch.setattr(engine.runtime.step, "decode", gated_step)
     schedule = ChunkSchedule(1, 3, 3)
@@ -294,10 +296,10 @@ def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines,
         events.append(("decoded", None))
         return audio
 
-    def stepping(self, states, texts, pause=go_on):
+    def stepping(self, states, texts, pause=go_on, team=None):
         stepped.set()
         events.append(("step", None))
-        return decode(self, states, texts, pause)
+        return decode(self, states, texts, pause, team)
 
     monkeypatch.setattr(Vocoder, "decode_chunk", decoding)
     monkeypatch.setattr(FrameStep, "decode", stepping)
@@ -327,6 +329,77 @@ def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines,
     assert [value for name, value in events if name == "threads"][0] == (team or own)
     if team is not None:
         assert [name for name, _ in events[:3]] == ["threads", "decoded", "step"]
+
+
+def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoints, monkeypatch):
+    """A frame step takes the prompt team (the vocoder's core too) for Kazeia's own products while
+    nothing decodes, no other stream runs and its stream's next chunk still needs a frame
+    (placement.decode_team, SpeechStream.chunk_far): a stream's decode never starts while a step
+    holds the team, two streams' steps keep one thread, and without a vocoder (codes only) every
+    step takes the team, unless other work takes the CPUs (kazeia/neighbours.py, held here). The
+    codes are those of one thread."""
+    engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
+    quiet = SimpleNamespace(busy=lambda: False)
+    team = engine.runtime.placement.prompt_team
+    whole = None if team is None else team.threads  # None on a one-core machine
+    events: list[tuple[str, int | None]] = []
+    decode_chunk, decode = Vocoder.decode_chunk, FrameStep.decode
+
+    def decoding(self, codes, state, pause=no_pause):
+        events.append(("decode", None))
+        return decode_chunk(self, codes, state, pause)
+
+    def stepping(self, states, texts, pause=go_on, team=None):
+        with cpu.team(*(team or cpu.Team(None))):
+            threads = cpu.native_threads()
+        events.append(("step", threads))
+        try:
+            return decode(self, states, texts, pause, team)
+        finally:
+            events.append(("end", threads))
+
+    monkeypatch.setattr(Vocoder, "decode_chunk", decoding)
+    monkeypatch.setattr(FrameStep, "decode", stepping)
+    monkeypatch.setattr(placement, "NEIGHBOURS", quiet)
+    options = {"voice": "ryan", "seed": 3, "max_new_tokens": 12, "ignore_eos": True, "do_sample": True}
+    request = engine.request(TEXT, **options)
+    codes = [frame for frame in timeline(engine.runtime, request) if isinstance(frame, torch.Tensor)]
+    assert {threads for name, threads in events if name == "step"} == {whole or 1}
+
+    def one_thread_codes() -> torch.Tensor:
+        events.clear()
+        made = [frame for frame in timeline(engine.runtime, request) if isinstance(frame, torch.Tensor)]
+        assert {threads for name, threads in events if name == "step"} == {1}
+        return torch.stack(made)
+
+    monkeypatch.setattr(placement, "NEIGHBOURS", SimpleNamespace(busy=lambda: True))  # another process's work
+    assert torch.equal(torch.stack(codes), one_thread_codes())
+    monkeypatch.setattr(placement, "NEIGHBOURS", quiet)
+    monkeypatch.setattr(placement.Placement, "decode_team", lambda *args: None)  # no team at all
+    assert torch.equal(torch.stack(codes), one_thread_codes())
+    monkeypatch.undo()
+    monkeypatch.setattr(Vocoder, "decode_chunk", decoding)
+    monkeypatch.setattr(FrameStep, "decode", stepping)
+    monkeypatch.setattr(placement, "NEIGHBOURS", quiet)
+    for run in (lambda: list(engine.stream(TEXT, chunk_frames=4, **options)), lambda: _two_streams(engine, options)):
+        events.clear()
+        run()
+        holding = False
+        for name, threads in events:  # the steps of one generation thread at a time hold the team
+            if name == "step":
+                holding = threads == whole and whole is not None
+            elif name == "end":
+                holding = False
+            else:
+                assert not holding, events
+    assert {threads for name, threads in events[events.index(("decode", None)) :] if name == "step"} <= {1}
+
+
+def _two_streams(engine: Engine, options: dict) -> None:
+    """Two streams open at once, each read to its end in turn."""
+    with engine.stream(TEXT, **options) as first, engine.stream(TEXT, **options) as second:
+        list(first)
+        list(second)
 
 
 def test_streams_that_never_started_leave_the_count(engines, monkeypatch):
