@@ -15,9 +15,9 @@ needs them:
 
 A stream's first chunk may take the team too while the engine runs nothing else
 (`first_chunk_team`); its generation waits for that chunk rather than take a core from it. After
-it, generation's frame steps take the team whenever no decode or other prompt runs
-(`decode_team`): a stream's vocoder decodes a chunk, then waits for the next one, and its core
-would sit idle meanwhile.
+it, a frame step takes the team while the vocoder has nothing to decode and cannot start before
+the step ends, and no other process wants the CPUs (`decode_team`, kazeia/neighbours.py): a
+stream's vocoder decodes a chunk, then waits for the next one, and its core would sit idle.
 
 The streams of a scheduler decode their audio in turns (kazeia/lanes.py): `vocoder_lanes` decodes at
 once, by default as many as fit beside generation's threads. The mechanisms live elsewhere: a
@@ -141,10 +141,10 @@ class Placement:
         SpeechStream.chunk_far), else generation's own. Asked at each of Kazeia's products (a
         native step: once a stack), so a step takes the vocoder's core only while the vocoder has
         nothing to decode and cannot start before the step ends, and no other process takes this
-        process's CPUs (kazeia/neighbours.py: a split step waits for its share). Only Kazeia's own products take
-        it (torch's regions keep their count: a step's products are native wherever a team helps);
-        their results do not depend on their threads. None where there is no such team (one
-        core)."""
+        process's CPUs (kazeia/neighbours.py: a split step waits for its share). Only Kazeia's own
+        products take it (torch's regions keep their count: a step's products are native wherever
+        a team helps); their results do not depend on their threads. None where there is no such
+        team (one core)."""
         team = self.prompt_team
         if team is None or not isinstance(team.threads, int):
             return None
