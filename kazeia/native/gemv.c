@@ -233,7 +233,7 @@ static void *gemv_job_run(void *arg) {
     return NULL;
 }
 
-enum { GEMV_THREADS = 16, GEMV_SHARE = 64 }; /* at most MAX_JOBS (jobs.h); the fewest weight rows worth a thread */
+enum { GEMV_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
 
 /* y (m x rows, dt) = x (m x cols, dt) @ w.T (w: rows x cols, dt) [+ bias (rows, dt)], 1 <= m <=
    MAX_ROWS, the weight rows split over `threads` threads (stack.c: a step that may take the
@@ -245,7 +245,7 @@ int gemv_team(const void *w, const void *x, const void *bias, void *y, long rows
     float *xf = line_buffer(sizeof(float) * (size_t)m * (size_t)cols);
     if (!xf) return -2;
     for (long i = 0; i < m * cols; i++) xf[i] = load(x, i, dt);
-    threads = job_count(threads, rows / GEMV_SHARE, GEMV_THREADS);
+    threads = job_count(threads, shares(rows, rows * cols * m), GEMV_THREADS);
     struct gemv_job jobs[GEMV_THREADS];
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct gemv_job){w, x, bias, y, xf, rows, cols, rows * i / threads, rows * (i + 1) / threads, m, dt};
@@ -424,7 +424,7 @@ enum { WIDE_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
 int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
               int threads) {
     if (m < 1 || rows < 1 || cols < 1) return -1;
-    threads = job_count(threads, rows, WIDE_THREADS);
+    threads = job_count(threads, shares(rows, rows * cols * m), WIDE_THREADS);
     float *tiles = NULL; /* where it cannot be had, the rows go through row_dot: the same sums */
 #if VECTORS
     if (m >= TILE_X && cols % (4 * LANES) == 0 && (tiles = line_buffer(sizeof(float) * (size_t)wide_layout_floats(m, cols))))

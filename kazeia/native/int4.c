@@ -372,7 +372,7 @@ int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
     }
     float *sums = t + m * ts;
     for (long i = 0; i < m; i++) int4_quantize_row(x + i * cols, cols, p + i * cols, t + i * ts, sums + i * groups);
-    threads = job_count(threads, rows, MAX_THREADS);
+    threads = job_count(threads, shares(rows, rows * cols * m), MAX_THREADS);
     struct int4_job jobs[MAX_THREADS];
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct int4_job){qw, gs, gn, p, rf, t, sums, bias, y, rows, cols, m,

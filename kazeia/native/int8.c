@@ -268,7 +268,7 @@ int int8_gemm(const int8_t *q, const float *scales, const float *x, const float 
     }
     for (long i = 0; i < m; i++) steps[i] = int8_quantize_row(x + i * cols, cols, p + i * cols);
     const long groups = rows / ROWS;
-    threads = job_count(threads, groups, MAX_THREADS);
+    threads = job_count(threads, shares(groups, rows * cols * m), MAX_THREADS);
     struct int8_job jobs[MAX_THREADS];
     for (int i = 0; i < threads; i++)
         jobs[i] = (struct int8_job){q, p, scales, steps, bias, y, rows, cols, m,

@@ -21,6 +21,11 @@ static inline int job_count(int threads, long most, long cap) {
     return threads < 1 ? 1 : threads;
 }
 
+/* The most jobs worth a thread for `items` (each job takes whole ones) in a product of `macs`
+   multiply-adds: a job handed to a helper costs ~1-10 us, so each should be a few us of work at
+   least (a frame step of a tiny test model split over two threads ran ~5x slower than on one). */
+static inline long shares(long items, long macs) { return items < macs >> 15 ? items : macs >> 15; }
+
 void run_jobs(void *(*run)(void *), void *jobs, size_t size, int n);
 
 /* A work buffer of `bytes` (freed with free) that starts on a cache line, or NULL: where a
