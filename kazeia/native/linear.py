@@ -1,9 +1,10 @@
-"""Linear layers whose decoding-step products run in the native single-threaded GEMV (gemv.c).
+"""Linear layers whose decoding-step products run in the native GEMV (gemv.c).
 
 A decoding step multiplies one or two activation rows by each weight: a weight read, two flops a
 weight. gemv.c streams each weight row once at nearly the read bandwidth of one thread, where the
 stock and oneDNN kernels, run on one thread, read well below it (figures: docs/design.md); the
-placement gives generation one thread of its own (kazeia/placement.py), so this is its product. More
+placement gives generation one thread of its own (kazeia/placement.py), so this is its product,
+its weight rows split over the calling thread's team where a step takes one (`gemv_team`). More
 rows (a prompt) are a matrix product bound by arithmetic: `matmul.matrix_product` on the same
 weight, in float32 where the CPU has no bfloat16/float16 dot products (the stock half-precision
 kernels are slow there). Tensors only.
