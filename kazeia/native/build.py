@@ -212,7 +212,6 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "vconv8_pack": ([_P, _LONG, _INT, _LONG, _P], None),
     "vconv8_packed_bytes": ([_LONG, _INT, _LONG], _LONG),
     "vconv8_kernel": ([], _INT),
-    "gemv": ([*[_P] * 4, _LONG, _LONG, _INT, _INT], _INT),
     "gemv_team": ([*[_P] * 4, _LONG, _LONG, _INT, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
     "gemv_bf16_dot": ([], _INT),

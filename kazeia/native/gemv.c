@@ -254,11 +254,6 @@ int gemv_team(const void *w, const void *x, const void *bias, void *y, long rows
     return 0;
 }
 
-/* gemv_team on the calling thread alone (a Python product, kazeia/native/linear.py). */
-int gemv(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt) {
-    return gemv_team(w, x, bias, y, rows, cols, m, dt, 1);
-}
-
 /* One thread's share of gemm_wide: weight rows [first, last). */
 struct wide_job {
     const void *w;
@@ -417,7 +412,7 @@ enum { WIDE_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
 
 /* y (m x rows, float32) = x (m x cols, float32) @ w.T (w: rows x cols of wdt) [+ bias (rows,
    float32)]: weights kept narrow, activations and results not rounded (kazeia/int4.py's output
-   heads, and the talker's down projections int4 keeps in bfloat16). Same summation as `gemv`
+   heads, and the talker's down projections int4 keeps in bfloat16). Same summation as `gemv_team`
    (row_dot, activation rows in pairs): each row's result is that of m = 1, whatever m, the weight
    rows' split over `threads` threads (a prompt's product) or the order they are taken in. Returns
    0, or -1 for a shape it does not take. */
