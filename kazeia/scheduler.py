@@ -376,8 +376,9 @@ class Scheduler:
         try:
             with self._model_lock:
                 states, texts = [w.decode[0] for w in going], [w.decode[1] for w in going]  # type: ignore[index]
-                far = [w.owner.chunk_far for w in going]  # the vocoder's core too while no prompt runs (placement)
-                team = self.runtime.placement.decode_team(self.runtime.decoding, lambda: self._prompting > 0, far)
+                far = [w.owner.chunk_far for w in going]  # decode_team; others: a prompt, a stream not stepped
+                others = lambda: self._prompting > 0 or self.runtime.running.count() > len(far)  # noqa: E731
+                team = self.runtime.placement.decode_team(self.runtime.decoding, others, far)
                 results = self.step.decode(states, texts, self._let_prompts_in, team)
         except BaseException as error:
             for work in going:
