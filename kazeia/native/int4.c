@@ -21,9 +21,10 @@
 
    Summation, for a given build: blocks in column order into vector lanes (with VNNI, two blocks
    share a vector: tile512), the lanes in a fixed tree, then the offsets (vector lanes over the
-   groups, then a tree) and the bias; with AVX2 the trees and the last steps of 8 weight rows run
-   side by side in one vector (sums8: the same tree in each lane, measured on Zen 3: one-row
-   products ~7 % and two-row ~10 % faster). The work: one weight row against a tile of up to TILE
+   groups, then a tree) and the bias; the trees and the last steps of 8 weight rows run side by side
+   in one vector (sums8: the same tree in each lane; measured on Zen 3 with AVX2: one-row products
+   ~7 % and two-row ~10 % faster; on Zen 4 with AVX-512 VNNI, whose own reductions made its kernel
+   slower than AVX2's there: see tile_rows8). The work: one weight row against a tile of up to TILE
    activation rows, each unit's codes unpacked and steps widened once for the tile; a row's
    instructions are the same whatever the tile's size or place, so its result depends only on
    that row and the weights, never on m, the other rows or the thread count (batching, prompts and
@@ -191,19 +192,33 @@ INLINE void offsets_lanes256(const int8_t *n8, const float *sums, long groups, c
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The vector part of offsets_tile with AVX-512 (its groups up to the last multiple of 16), left in
+   lanes: acc[i] for activation row i. */
+INLINE void offsets_lanes512(const int8_t *n8, const float *sums, long groups, const int n, __m512 *acc) {
+    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+    for (long g = 0; g + 16 <= groups; g += 16) {
+        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(n8 + g))));
+        for (int i = 0; i < n; i++) acc[i] = _mm512_fmadd_ps(v, _mm512_loadu_ps(sums + i * groups + g), acc[i]);
+    }
+}
+#endif
+
 /* The offsets' term of n activation rows (sums: stride groups): sum over groups of n8[g] * sums[g],
    in vector lanes over the groups in order (16 or 8 lanes; one lane in plain C), then a fixed tree;
    each group's offsets widened once for the tile. */
 INLINE void offsets_tile(const int8_t *n8, const float *sums, long groups, const int n, float *out) {
     long g = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512 acc[TILE];
-    for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
-    for (; g + 16 <= groups; g += 16) {
-        __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(n8 + g))));
-        for (int i = 0; i < n; i++) acc[i] = _mm512_fmadd_ps(v, _mm512_loadu_ps(sums + i * groups + g), acc[i]);
-    }
+    offsets_lanes512(n8, sums, groups, n, acc);
+    for (int i = 0; i < n; i++) out[i] = sum512(acc[i]);
+    g = groups / 16 * 16;
+#elif defined(__AVX512F__)
+    __m512 acc[TILE];
+    offsets_lanes512(n8, sums, groups, n, acc);
     for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+    g = groups / 16 * 16;
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[TILE];
     offsets_lanes256(n8, sums, groups, n, 1, acc);
@@ -245,7 +260,7 @@ INLINE void tile_rows(const struct int4_job *j, long r, long i, const int n) {
     for (int k = 0; k < n; k++) j->y[(i + k) * j->rows + r] = d * dots[k] - e * offsets[k] + b;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512BW__))
+#if defined(__AVX2__) && defined(__FMA__)
 #define ROWS8 1
 /* sum256 of eight vectors at once: lane r of the result is sum256(v[r]), by the same tree. */
 static inline __m256 sums8(const __m256 v[8]) {
@@ -267,7 +282,52 @@ static inline __m256 sums8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_add_ps(h0, h2), _mm256_add_ps(h1, h3));
 }
 
-/* tile_rows for weight rows [r, r + 8) at once (groups a multiple of 8): the same sums, each row's
+/* The last steps of weight rows [r, r + 8) against activation rows [i, i + n): lane q of dots[k]
+   and offsets[k] is the lanes of weight row q's sums (for row i + k), which sums8 reduces. */
+INLINE void rows8_out(const struct int4_job *j, long r, long i, const int n, __m256 dots[][8], __m256 offsets[][8]) {
+    float d[8], e[8], b[8];
+    for (int q = 0; q < 8; q++)
+        d[q] = j->rf[2 * (r + q)], e[q] = j->rf[2 * (r + q) + 1], b[q] = j->bias ? j->bias[r + q] : 0.0f;
+    const __m256 dv = _mm256_loadu_ps(d), ev = _mm256_loadu_ps(e), bv = _mm256_loadu_ps(b);
+    for (int k = 0; k < n; k++) {
+        __m256 y = _mm256_sub_ps(_mm256_mul_ps(dv, sums8(dots[k])), _mm256_mul_ps(ev, sums8(offsets[k])));
+        _mm256_storeu_ps(j->y + (i + k) * j->rows + r, _mm256_add_ps(y, bv));
+    }
+}
+
+/* Whether tile_rows8 takes a row of `cols`: AVX2 with groups a multiple of 8; AVX-512 with blocks
+   of 128 and groups a multiple of 16 (no tail for offsets_tile's plain C loop). */
+static inline int rows8_fit(long cols) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return cols % 512 == 0;
+#else
+    return (cols / GROUP) % 8 == 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* tile_rows for weight rows [r, r + 8) at once (rows8_fit): the same sums; each row's lanes halved
+   (halves512, the first step of sum512's tree), the rest of the tree and the last steps done in a
+   vector whose lanes are the 8 weight rows. Measured on Zen 4 (VNNI, 512-bit operations in two
+   halves), weights in cache, against one row's reductions at a time: one or two activation rows
+   ~25 % faster, a prompt's 62 rows ~15-20 % on one thread and ~20-25 % on two; with weights from
+   memory, one row with the whole 16-lane reduction per row had been slower than the AVX2 kernel. */
+INLINE void tile_rows8(const struct int4_job *j, long r, long i, const int n) {
+    const long cols = j->cols, groups = cols / GROUP, ts = t_stride(cols / 128);
+    const int8_t *p = j->p + i * cols;
+    const float *t = j->t + i * ts;
+    __m256 dots[TILE][8], offsets[TILE][8];
+    for (int q = 0; q < 8; q++) {
+        __m512 f[TILE];
+        tile512_lanes(j->qw + (r + q) * (cols / 2), j->gs + (r + q) * groups, p, t, ts, cols, n, f);
+        for (int k = 0; k < n; k++) dots[k][q] = halves512(f[k]);
+        offsets_lanes512(j->gn + (r + q) * groups, j->sums + i * groups, groups, n, f);
+        for (int k = 0; k < n; k++) offsets[k][q] = halves512(f[k]);
+    }
+    rows8_out(j, r, i, n, dots, offsets);
+}
+#else
+/* tile_rows for weight rows [r, r + 8) at once (rows8_fit): the same sums, each row's
    reductions and its last steps done in a vector whose lanes are the 8 weight rows. */
 INLINE void tile_rows8(const struct int4_job *j, long r, long i, const int n) {
     const long cols = j->cols, groups = cols / GROUP, block = int4_block(cols), blocks = cols / block;
@@ -293,21 +353,15 @@ INLINE void tile_rows8(const struct int4_job *j, long r, long i, const int n) {
         for (int q = 0; q < together; q++)
             for (int k = 0; k < n; k++) offsets[k][q0 + q] = o[q * n + k];
     }
-    float d[8], e[8], b[8];
-    for (int q = 0; q < 8; q++)
-        d[q] = j->rf[2 * (r + q)], e[q] = j->rf[2 * (r + q) + 1], b[q] = j->bias ? j->bias[r + q] : 0.0f;
-    const __m256 dv = _mm256_loadu_ps(d), ev = _mm256_loadu_ps(e), bv = _mm256_loadu_ps(b);
-    for (int k = 0; k < n; k++) {
-        __m256 y = _mm256_sub_ps(_mm256_mul_ps(dv, sums8(dots[k])), _mm256_mul_ps(ev, sums8(offsets[k])));
-        _mm256_storeu_ps(j->y + (i + k) * j->rows + r, _mm256_add_ps(y, bv));
-    }
+    rows8_out(j, r, i, n, dots, offsets);
 }
+#endif
 #endif
 
 /* Weight rows [r0, r1) against activation rows [i, i + n), n <= TILE. */
 static void tile_block(const struct int4_job *j, long r0, long r1, long i, long n) {
 #ifdef ROWS8
-    if (r1 - r0 == 8 && (j->cols / GROUP) % 8 == 0) {
+    if (r1 - r0 == 8 && rows8_fit(j->cols)) {
         switch (n) {
         case 1: tile_rows8(j, r0, i, 1); break;
         case 2: tile_rows8(j, r0, i, 2); break;

@@ -56,10 +56,11 @@ INLINE void pair512(struct unpacked512 ka, struct unpacked512 kb, const int two,
         f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ints), scale, f[i]);
     }
 }
-INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
-                    const int n, float *out) {
+/* A weight row's blocks of 128 against n activation rows p (stride cols), block steps t (stride
+   ts): each row's sums in 16 lanes (f), for its caller to reduce. */
+INLINE void tile512_lanes(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                          const int n, __m512 *f) {
     const long blocks = cols / 128;
-    __m512 f[TILE];
     for (int i = 0; i < n; i++) f[i] = _mm512_setzero_ps();
     long b = 0;
     for (; b + 1 < blocks; b += 2) { /* whole pairs of blocks */
@@ -73,7 +74,6 @@ INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
         const struct unpacked512 ka = unpack512(w, 2 * b);
         pair512(ka, ka, 0, pair_steps(four), p, t, ts, cols, b, n, f);
     }
-    for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(f[i]);
 }
 #else
 /* A block's steps widened to int16 across their groups' 128-bit lanes (once a tile), then its
@@ -92,11 +92,10 @@ INLINE __m512i block512(struct unpacked512 k, __m512i steps, const int8_t *x, lo
     __m512i second = _mm512_maddubs_epi16(k.high, _mm512_loadu_si512((const void *)(x + u * UNIT + UNIT)));
     return _mm512_madd_epi16(_mm512_add_epi16(first, second), steps);
 }
-/* Blocks of 128, n activation rows p (stride cols), block steps t (stride ts): their dot products. */
-INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
-                    const int n, float *out) {
+/* tile512_lanes without VNNI. */
+INLINE void tile512_lanes(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                          const int n, __m512 *f) {
     const long blocks = cols / 128;
-    __m512 f[TILE];
     for (int i = 0; i < n; i++) f[i] = _mm512_setzero_ps();
     for (long b = 0; b < blocks; b++) {
         struct unpacked512 k = unpack512(w, 2 * b);
@@ -105,9 +104,21 @@ INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const 
             f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block512(k, steps, p + i * cols, 2 * b)),
                                    _mm512_set1_ps(t[i * ts + 2 * b]), f[i]);
     }
-    for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(f[i]);
 }
 #endif
+/* The first step of a 16-lane vector's fixed tree (its two halves added): sum512 ends it, and the
+   eight-row kernel (tile_rows8) ends it for eight vectors at once, by the same tree. */
+INLINE __m256 halves512(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+INLINE float sum512(__m512 v) { return sum256(halves512(v)); }
+/* tile512_lanes, each row's lanes reduced (sum512). */
+INLINE void tile512(const uint8_t *w, const uint8_t *gs, const int8_t *p, const float *t, long ts, long cols,
+                    const int n, float *out) {
+    __m512 f[TILE];
+    tile512_lanes(w, gs, p, t, ts, cols, n, f);
+    for (int i = 0; i < n; i++) out[i] = sum512(f[i]);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TILE 8 /* measured (Zen 3): prompt rows ~10 % faster than in tiles of 4, one row the same */
 #else
