@@ -192,7 +192,7 @@ INLINE void offsets_lanes256(const int8_t *n8, const float *sums, long groups, c
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 /* The vector part of offsets_tile with AVX-512 (its groups up to the last multiple of 16), left in
    lanes: acc[i] for activation row i. */
 INLINE void offsets_lanes512(const int8_t *n8, const float *sums, long groups, const int n, __m512 *acc) {
@@ -213,11 +213,6 @@ INLINE void offsets_tile(const int8_t *n8, const float *sums, long groups, const
     __m512 acc[TILE];
     offsets_lanes512(n8, sums, groups, n, acc);
     for (int i = 0; i < n; i++) out[i] = sum512(acc[i]);
-    g = groups / 16 * 16;
-#elif defined(__AVX512F__)
-    __m512 acc[TILE];
-    offsets_lanes512(n8, sums, groups, n, acc);
-    for (int i = 0; i < n; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
     g = groups / 16 * 16;
 #elif defined(__AVX2__) && defined(__FMA__)
     __m256 acc[TILE];
