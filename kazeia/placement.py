@@ -6,7 +6,7 @@ torch threads by default: half the cores each, so they never share a core, and b
 hundreds of small parallel regions a frame never wait at a barrier for a thread that is not running
 (docs/design.md). Prompts are the exception: before a stream's first audio its vocoder has nothing
 to decode, so a prompt may take both stages' threads (`Placement.prompt_team`) while nothing else
-needs them:
+needs them, and while no other process takes the CPUs (kazeia/neighbours.py):
 
 * outside a scheduler, a request's first prompt while the engine has no other request or stream
   open (`first_prompt_team`, counting them with `Running`);
@@ -14,7 +14,8 @@ needs them:
   several prompts waiting at once share the team (`scheduled_prompt_team`, `prompts_at_once`).
 
 A stream's first chunk may take the team too while the engine runs nothing else
-(`first_chunk_team`); its generation waits for that chunk rather than take a core from it. After
+(`first_chunk_team`, one stage's threads beside a busy neighbour); its generation waits for that
+chunk rather than take a core from it. After
 it, a frame step takes the team while the vocoder has nothing to decode and cannot start before
 the step ends, and no other process wants the CPUs (`decode_team`, kazeia/neighbours.py): a
 stream's vocoder decodes a chunk, then waits for the next one, and its core would sit idle.
@@ -92,6 +93,12 @@ class Running:
             self.leave()
 
 
+def _others_busy() -> bool:
+    """Whether another process takes the CPUs, as a prompt sees it: not where that cannot be told
+    (it keeps its team, as where no neighbour could be read at all)."""
+    return NEIGHBOURS.busy(unknown=False)
+
+
 @dataclass(frozen=True)
 class Placement:
     """The thread decisions of one loaded model (`for_model`)."""
@@ -111,17 +118,21 @@ class Placement:
         team = None
         if device.type == "cpu" and prompt_threads > threads:
             team = cpu.Team(prompt_threads, not any(own_threads(m) for m in model.modules()))
+            NEIGHBOURS.busy()  # the first look: the first prompt can tell
         return cls(threads, usable, team)
 
     def first_prompt_team(self, running: Running) -> Callable[[], cpu.Team | None]:
         """The team of a request's first prompt outside a scheduler, asked when it runs: the prompt
-        team while `running` counts this request alone, else torch's threads."""
-        return lambda: self.prompt_team if running.count() == 1 else None
+        team while `running` counts this request alone and no other process takes the CPUs
+        (kazeia/neighbours.py), else torch's threads."""
+        return lambda: self.prompt_team if running.count() == 1 and not _others_busy() else None
 
     def first_chunk_team(self, running: Running, frames: int = 1) -> Callable[[], int | None] | None:
         """The threads of a stream's first chunk, asked at each of its convolutions: the prompt
-        team's while `running` counts this stream alone, None (the vocoder's own) once anything
-        else runs; None where there is no team, or where the first chunk is longer than
+        team's while `running` counts this stream alone, the vocoder's own while another process
+        takes the CPUs (kazeia/neighbours.py: a split decode would wait for its share), None (the
+        vocoder's own, generation not waiting) once anything else of this engine runs; None where
+        there is no team, or where the first chunk is longer than
         `FIRST_CHUNK_TEAM_FRAMES` (`frames`: a throughput choice, such as an offline synthesis's
         blocks, not first audio). While its first chunk may take the team, a stream's generation
         waits for it (kazeia/producer.py): a split decode would otherwise wait for its share on a
@@ -129,8 +140,8 @@ class Placement:
         team = self.prompt_team
         if team is None or not isinstance(team.threads, int) or frames > FIRST_CHUNK_TEAM_FRAMES:
             return None
-        whole = team.threads
-        return lambda: whole if running.count() == 1 else None
+        alone, whole = self.threads, team.threads
+        return lambda: (alone if _others_busy() else whole) if running.count() == 1 else None
 
     def decode_team(
         self, decoding: Running, others: Callable[[], bool], far: Sequence[Callable[[], bool]]
@@ -183,19 +194,20 @@ class Placement:
         self, decoding: Callable[[], bool], together: int, running: Callable[[], int]
     ) -> cpu.Team | None:
         """The team of a scheduler's prompt starting now: the prompt team while no decode holds a
-        lane (`decoding()`) and no other prompt runs beside it (`together` side by side), else
-        generation's own threads, shared by the prompts running (`running()`). Where torch's
+        lane (`decoding()`), no other prompt runs beside it (`together` side by side) and no other
+        process takes the CPUs (kazeia/neighbours.py), else generation's own threads, shared by the
+        prompts running (`running()`). Where torch's
         regions take the team it is decided once, here; where Kazeia's products do, it is asked
         again at each product, so a prompt takes cores as they free."""
         team = self.prompt_team
         if team is None:
             return None
         if team.openmp:
-            return None if decoding() or together > 1 else team
+            return None if decoding() or together > 1 or _others_busy() else team
         alone, whole = self.threads, team.threads  # generation's own threads; the whole team
         assert isinstance(whole, int)
 
         def now() -> int:
-            return max(1, (alone if decoding() else whole) // max(1, running()))
+            return max(1, (alone if decoding() or _others_busy() else whole) // max(1, running()))
 
         return cpu.Team(now, False)

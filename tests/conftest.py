@@ -2,6 +2,7 @@
 
 import pathlib
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -24,6 +25,30 @@ TINY = {
     "0.6B-base": ("0.6B", "base"),
     "1.7B-base": ("1.7B", "base"),
 }
+
+
+class HeldNeighbours:
+    """kazeia/neighbours.py's verdict as a test holds it (`busy`): whether other processes take
+    this process's CPUs, whatever the machine's other work does meanwhile."""
+
+    def __init__(self) -> None:
+        self.held = False
+
+    def busy(self, unknown: bool = True) -> bool:
+        return self.held
+
+
+@pytest.fixture(autouse=True)
+def held_neighbours() -> Iterator[HeldNeighbours]:
+    """No other process takes the CPUs, for every test (which teams run where is decided by what
+    the machine does, kazeia/placement.py; a test sets `.held = True` for a busy neighbour). Its
+    own patch: a test's `monkeypatch.undo()` leaves it."""
+    from kazeia import placement
+
+    held = HeldNeighbours()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(placement, "NEIGHBOURS", held)
+        yield held
 
 
 @pytest.fixture(scope="session")

@@ -528,11 +528,12 @@ def test_a_paused_decode_of_a_stopped_stream_ends_without_its_lane():
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("int8", marks=requires_int8)])
-def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed, monkeypatch, dtype):
+def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed, monkeypatch, held_neighbours, dtype):
     """No decode holding a lane: a joining stream's prompt runs on the engine's
-    prompt team, as a lone `Engine.stream`'s first prompt does; while a decode holds a lane, on
-    generation's own threads. With Kazeia's own products (int8) the team is asked at each product,
-    so a prompt takes the second core as soon as the decode ends."""
+    prompt team, as a lone `Engine.stream`'s first prompt does; while a decode holds a lane, or
+    while another process takes the CPUs (kazeia/neighbours.py), on generation's own threads. With
+    Kazeia's own products (int8) the team is asked at each product, so a prompt takes the second
+    core as soon as the decode ends."""
     engine = typed(dtype)
     team = engine.runtime.placement.prompt_team
     if team is None:
@@ -560,6 +561,11 @@ def test_a_scheduled_prompt_takes_the_team_only_while_no_audio_is_decoded(typed,
         assert seen == [tuple(team), (None, True)]
     else:
         assert seen == [tuple(team), (1, False)] and teams[1].threads() == team.threads
+    held_neighbours.held = True
+    seen.clear()
+    with engine.scheduler(max_batch=2) as scheduler:
+        _speak(scheduler.stream(TEXTS[0], voice="ryan", seed=1, max_new_tokens=3))
+    assert seen == [(None, True) if team.openmp else (1, False)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("int8", marks=requires_int8)])

@@ -51,9 +51,22 @@ def test_others_use_over_a_window_decides_and_the_verdict_holds_between_looks():
     assert not neighbours.busy()
 
 
-def test_cpus_that_cannot_be_read_count_as_busy():
-    machine = Machine(readable=False)
+def test_where_nothing_can_be_told_the_caller_decides():
+    """Before the first window and where nothing can be read, `busy` answers what its caller
+    assumes then (`unknown`: a step borrows nothing, a prompt keeps its team); a verdict, once
+    measured, whatever it assumes."""
+    machine = Machine()
     neighbours = machine.neighbours()
+    assert neighbours.busy() and not neighbours.busy(unknown=False)  # the first look: no window yet
+    machine.run(WINDOW_S, ours=1.0, others=1.0)
+    assert neighbours.busy(unknown=False) and neighbours.busy()
+    machine.run(WINDOW_S, ours=1.0, others=0.0)
+    assert not neighbours.busy(unknown=True) and not neighbours.busy()
+    machine.readable = False  # /proc/stat gone: no verdict any more
+    machine.run(WINDOW_S, ours=1.0, others=0.0)
+    assert neighbours.busy() and not neighbours.busy(unknown=False)
+    other = Machine(readable=False)  # another OS: never a verdict
+    unreadable = other.neighbours()
     for _ in range(3):
-        machine.run(WINDOW_S, ours=1.0, others=0.0)
-        assert neighbours.busy()
+        other.run(WINDOW_S, ours=1.0, others=0.0)
+        assert unreadable.busy() and not unreadable.busy(unknown=False)

@@ -3,7 +3,6 @@
 import gc
 import threading
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -251,10 +250,12 @@ def test_a_prompt_on_a_team_gives_the_same_state(tiny_checkpoints, dtype):
         assert all(torch.equal(a, b) for pair in zip(kv_one, kv, strict=True) for a, b in zip(*pair, strict=True))
 
 
-def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monkeypatch):
+def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monkeypatch, held_neighbours):
     """A stream's first prompt runs on the engine's team (every core of the two stages) only when
-    the engine has no other request running and no other stream open: the vocoder has nothing to
-    decode then. A second stream opened meanwhile, and later segments, keep torch's threads."""
+    the engine has no other request running and no other stream open (the vocoder has nothing to
+    decode then) and no other process takes the CPUs (kazeia/neighbours.py: a split prompt would
+    wait for its share). A second stream opened meanwhile, and later segments, keep torch's
+    threads."""
     engine = engines["0.6B-custom"]
     team = _threads(engine.runtime.placement.prompt_team)  # None on a one-core machine: nobody gets more
     seen = _prefill_teams(monkeypatch)
@@ -270,18 +271,24 @@ def test_only_a_first_prompt_alone_gets_the_team(engines, tiny_checkpoints, monk
     long_text = LongTextOptions(segment_tokens=4)
     list(engine.stream("One two three four. Five six seven eight.", long_text=long_text, **options))
     assert len(seen) >= 5 and seen[3:] == [team] + [None] * (len(seen) - 4)  # a segment each
+    held_neighbours.held = True  # another process takes the CPUs: alone, yet torch's threads
+    seen.clear()
+    list(engine.stream(TEXT, **options))
+    assert seen == [None]
+    held_neighbours.held = False
     # torch's parallel regions join the team, except where int4's own threaded products do the work
     if team is not None:
         int4 = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
         assert engine.runtime.placement.prompt_team.openmp and not int4.runtime.placement.prompt_team.openmp
 
 
-def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines, monkeypatch):
+def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines, monkeypatch, held_neighbours):
     """A stream alone in the engine decodes its first chunk on the prompt team, and its generation
     makes no further frame until that chunk is decoded (a split decode would wait for its share on
     a core the next frame's generation held); its later chunks, and the first chunk of a stream
-    opened beside another, and an offline synthesis's first block keep the vocoder's own threads.
-    The audio is the offline audio."""
+    opened beside another, and an offline synthesis's first block keep the vocoder's own threads;
+    so does a lone stream's first chunk while another process takes the CPUs (kazeia/neighbours.py),
+    its generation still waiting. The audio is the offline audio."""
     engine = engines["0.6B-custom"]
     team = _threads(engine.runtime.placement.prompt_team)  # None on a one-core machine
     own = torch.get_num_threads()
@@ -329,9 +336,18 @@ def test_a_first_chunk_alone_takes_the_team_and_generation_waits_for_it(engines,
     assert [value for name, value in events if name == "threads"][0] == (team or own)
     if team is not None:
         assert [name for name, _ in events[:3]] == ["threads", "decoded", "step"]
+    held_neighbours.held = True  # another process takes the CPUs: a split decode would wait for its share
+    with engine.scheduler(max_batch=2) as scheduler:
+        for opened in (engine.stream, scheduler.stream):
+            events.clear()
+            stepped.clear()
+            _check_stream(opened(TEXT, **options), offline)
+            assert {value for name, value in events if name == "threads"} == {own}
+            if team is not None:  # the vocoder's own threads, and generation still leaves it the cores
+                assert [name for name, _ in events[:3]] == ["threads", "decoded", "step"]
 
 
-def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoints, monkeypatch):
+def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoints, monkeypatch, held_neighbours):
     """A frame step takes the prompt team (the vocoder's core too) for Kazeia's own products while
     nothing decodes, no other stream runs and its stream's next chunk still needs a frame
     (placement.decode_team, SpeechStream.chunk_far): a stream's decode never starts while a step
@@ -339,7 +355,6 @@ def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoin
     step takes the team, unless other work takes the CPUs (kazeia/neighbours.py, held here). The
     codes are those of one thread."""
     engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
-    quiet = SimpleNamespace(busy=lambda: False)
     team = engine.runtime.placement.prompt_team
     whole = None if team is None else team.threads  # None on a one-core machine
     events: list[tuple[str, int | None]] = []
@@ -360,7 +375,6 @@ def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoin
 
     monkeypatch.setattr(Vocoder, "decode_chunk", decoding)
     monkeypatch.setattr(FrameStep, "decode", stepping)
-    monkeypatch.setattr(placement, "NEIGHBOURS", quiet)
     options = {"voice": "ryan", "seed": 3, "max_new_tokens": 12, "ignore_eos": True, "do_sample": True}
     request = engine.request(TEXT, **options)
     codes = [frame for frame in timeline(engine.runtime, request) if isinstance(frame, torch.Tensor)]
@@ -372,15 +386,14 @@ def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoin
         assert {threads for name, threads in events if name == "step"} == {1}
         return torch.stack(made)
 
-    monkeypatch.setattr(placement, "NEIGHBOURS", SimpleNamespace(busy=lambda: True))  # another process's work
+    held_neighbours.held = True  # another process's work
     assert torch.equal(torch.stack(codes), one_thread_codes())
-    monkeypatch.setattr(placement, "NEIGHBOURS", quiet)
+    held_neighbours.held = False
     monkeypatch.setattr(placement.Placement, "decode_team", lambda *args: None)  # no team at all
     assert torch.equal(torch.stack(codes), one_thread_codes())
     monkeypatch.undo()
     monkeypatch.setattr(Vocoder, "decode_chunk", decoding)
     monkeypatch.setattr(FrameStep, "decode", stepping)
-    monkeypatch.setattr(placement, "NEIGHBOURS", quiet)
     for run in (lambda: list(engine.stream(TEXT, chunk_frames=4, **options)), lambda: _two_streams(engine, options)):
         events.clear()
         run()
