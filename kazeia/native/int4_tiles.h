@@ -19,7 +19,7 @@ struct unpacked512 {
 INLINE struct unpacked512 unpack512(const uint8_t *w, long u) {
     const __m512i mask = _mm512_set1_epi8(0x0f);
     __m512i raw = _mm512_loadu_si512((const void *)(w + u * 32));
-    _mm_prefetch((const char *)(w + u * 32 + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w + u * 32 + PREFETCH512), _MM_HINT_T1);
     return (struct unpacked512){_mm512_and_si512(raw, mask), _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask)};
 }
 #if defined(__AVX512VNNI__)
