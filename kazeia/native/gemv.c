@@ -105,10 +105,18 @@ enum { LANES = 8 };
 /* Bytes ahead of the weights being read that are asked for early, one request a 64-byte line (the
    next rows: rows follow each other in memory). On a 2-vCPU Sapphire Rapids VM, where one core
    streams only ~12 GB/s, a 60-matrix harness read 7-8.5 GB/s without it and 9.4-10.6 with it
-   (AVX-512 and AVX2 builds alike; 1-2 KB ahead gained less, 8 KB no more). The sums are unchanged. */
+   (AVX-512 and AVX2 builds alike; 1-2 KB ahead gained less, 8 KB no more). The sums are unchanged.
+   AVX-512 builds ask 8 KB ahead into the second-level cache only (_MM_HINT_T1, as int4.c's AVX-512
+   kernels), leaving the first level's miss slots to the loads: on a 2-vCPU Zen 4 the harness's
+   bfloat16 weights (dot products in AVX512_BF16) read at 19.0-19.3 GB/s on one thread against
+   16.1-17.0, 29-32 against 20-25 on two, and one-thread bfloat16 generation took 179-196 ms a
+   frame against 201-250 (three rounds in turns); AVX2 builds measured alike with either there. */
 #define PREFETCH 3072
+#define PREFETCH512 8192
 static inline void ask_ahead(const void *p) {
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+    _mm_prefetch((const char *)p + PREFETCH512, _MM_HINT_T1);
+#elif defined(__AVX2__)
     _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
 #else
     (void)p;
