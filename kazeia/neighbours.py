@@ -15,7 +15,7 @@ when the model loads starts the first window: `Placement.for_model`).
 Prompts and a stream's first chunk split over both cores ask too: beside a busy neighbour, a split
 prompt and its first frame waited at every product for the half the scheduler had not run yet (a
 2-vCPU Zen 4, int4: prompt and first frame 0.44-0.71 s against 0.23-0.26 s on one thread; first
-audio 0.58-0.86 s against 0.37 s).
+audio 0.58-0.86 s against 0.31-0.35 s).
 """
 
 from __future__ import annotations
