@@ -323,8 +323,9 @@ class Decoder(nn.Module):
     of the talker and the code predictor.
 
     `native_step` is the implementation of decoding steps (one sequence, 1..native.MAX_POSITIONS
-    new positions), chosen once when the model is loaded (kazeia/model.py): kazeia/native's C glue
-    between the products, or None for these eager layers, which also run every prompt.
+    new positions; a prompt's too where its `prompts`), chosen once when the model is loaded
+    (kazeia/model.py): kazeia/native's C glue between the products, or None for these eager layers,
+    which run the other prompts.
     """
 
     def __init__(self, cfg: TransformerConfig):

@@ -127,8 +127,9 @@ class TTSModel(nn.Module):
         self.choose_steps(lib)
 
     def choose_steps(self, lib) -> None:
-        """Decoding steps (one sequence, 1-2 positions): the C glue between the products where the
-        native library supports these activations, else the eager layers (always for prompts)."""
+        """Decoding steps (one sequence, 1-2 positions), and prompts where every product splits a
+        prompt's rows itself (int4, native int8): the C glue between the products where the native
+        library supports these activations, else the eager layers (kazeia/native/step.py)."""
         activations = self.talker.norm.weight.dtype
         for stack in (self.talker, self.code_predictor):
             stack.native_step = native.stack_step(lib, stack.layers, stack.norm, activations)

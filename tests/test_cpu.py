@@ -106,6 +106,7 @@ def test_a_bad_kazeia_isa_fails_the_load_with_its_name(tiny_checkpoints, monkeyp
 # -- the suite's ISA-sensitive tests at every level this CPU supports -------------------------------
 ISA_SENSITIVE = [
     "test_native.py",
+    "test_native_prompt.py",
     "test_quant.py",
     "test_layers.py",
     "test_quality.py",

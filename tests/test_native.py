@@ -109,11 +109,11 @@ def test_native_step_matches_the_eager_layers(dtype, linears):
     got_all, want_all, exact_all = [], [], []
     with torch.inference_mode():
         prompt = torch.randn(1, 7, DIM, generator=gen).to(dtype)
-        for caches in (ours, theirs, glue):  # the prompt takes the eager path in all
+        for caches in (ours, theirs, glue):  # the prompt on the eager path in all (tests/test_native_prompt.py)
             eager_step(layers, norm, prompt, rot.span(0, 7, dtype, "cpu"), caches, 0)
         eager_step(exact_layers, exact_norm, prompt.double(), rot.span(0, 7, torch.float64, "cpu"), truth, 0)
         step = native.stack_step(native.library(), layers, norm, dtype)
-        assert step is not None and not step.applies(prompt, ours)
+        assert step is not None and step.applies(prompt, ours) == step.prompts
         pos = 7
         while pos < 30:
             width = 2 if pos % 5 == 0 else 1  # two-position steps too (MAX_POSITIONS)

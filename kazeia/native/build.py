@@ -195,7 +195,7 @@ def _prune(target_dir: Path, keep: Path) -> None:
 _P, _INT, _LONG, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {  # argument and result types of the C functions (pointers: tensors' data_ptr())
     "add_rms_norm": ([_P, _P, _P, _P, _INT, _INT, _F, _INT], None),
-    "attend": ([*[_P] * 8, *[_INT] * 6, _F, _INT], None),
+    "attend": ([*[_P] * 7, *[_INT] * 6, _F, _INT, _INT], _INT),
     "silu_mul": ([_P, _P, _INT, _INT, _INT], None),
     "has_float16": ([], _INT),
     "snake_beta": ([*[_P] * 4, *[_LONG] * 5, _INT], _INT),
@@ -221,7 +221,7 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "int4_kernel": ([], _INT),
     "int8_gemm": ([*[_P] * 5, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
     "int8_kernel": ([], _INT),
-    "stack_step": ([_P, _INT, *[_P] * 9, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT, _INT], _INT),
+    "stack_step": ([_P, _INT, *[_P] * 8, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT, _INT], _INT),
 }
 
 

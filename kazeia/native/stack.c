@@ -39,8 +39,8 @@ int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const floa
 int int8_gemm(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long rows, long cols,
               long m, int threads);
 void add_rms_norm(void *h, const void *delta, const void *w, void *out, int rows, int n, float eps, int dt);
-void attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, float *k_cache, float *v_cache,
-            void *out, float *scratch, int count, int nq, int nkv, int hd, int cap, int pos, float eps, int dt);
+int attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, float *k_cache, float *v_cache,
+           void *out, int count, int nq, int nkv, int hd, int cap, int pos, float eps, int dt, int threads);
 void silu_mul(const void *gate_up, void *out, int rows, int n, int dt);
 
 /* One product on `threads` threads. */
@@ -63,10 +63,10 @@ static int product(const Product *p, const void *x, void *y, int m, int threads)
    starts[r] .. starts[r] + T - 1 of its caches: layer l's keys and values at k[r * L + l],
    v[r * L + l] ((nkv, caps[r], hd) float32), its rotation cos[r], sin[r] (T x hd, dt).
    Buffers (dt): attended n x nq*hd, activated n x inner, qkv n x (nq + 2 nkv) hd, out n x H,
-   gate_up n x 2 inner; scratch nq * hd + nq / nkv * max(caps) floats. `threads`: each product's
-   (at least one). Returns 0, or the first failing product's status. */
+   gate_up n x 2 inner. `threads`: each product's and attention's (at least one). Returns 0, or
+   the first failing product's (or attention's) status. */
 int stack_step(const Layer *layers, int L, const void *first_norm, void *h, void *normed, void *attended,
-               void *activated, void *qkv, void *out, void *gate_up, float *scratch, int B, int T,
+               void *activated, void *qkv, void *out, void *gate_up, int B, int T,
                const void *const *cos, const void *const *sin, float *const *k, float *const *v, const int *caps,
                const int *starts, int nq, int nkv, int hd, int H, int inner, float eps, float qk_eps, int dt,
                int threads) {
@@ -78,9 +78,10 @@ int stack_step(const Layer *layers, int L, const void *first_norm, void *h, void
         const Layer *layer = layers + l;
         if ((status = product(&layer->qkv, normed, qkv, n, threads))) return status;
         for (int r = 0; r < B; r++)
-            attend((char *)qkv + (long)r * T * width, layer->qk_w, cos[r], sin[r], k[(long)r * L + l],
-                   v[(long)r * L + l], (char *)attended + (long)r * T * out_width, scratch, T, nq, nkv, hd, caps[r],
-                   starts[r], qk_eps, dt);
+            if ((status = attend((char *)qkv + (long)r * T * width, layer->qk_w, cos[r], sin[r], k[(long)r * L + l],
+                                 v[(long)r * L + l], (char *)attended + (long)r * T * out_width, T, nq, nkv, hd,
+                                 caps[r], starts[r], qk_eps, dt, threads)))
+                return status;
         if ((status = product(&layer->o, attended, out, n, threads))) return status;
         add_rms_norm(h, out, layer->post_w, normed, n, H, eps, dt);
         if ((status = product(&layer->gate_up, normed, gate_up, n, threads))) return status;

@@ -8,7 +8,8 @@ product, `add_rms_norm` (which also applies the next layer's input norm, or the 
 Three implementations of a decoder layer exist, with one contract: the same inputs (activations,
 cache, positions) give the hidden state of `layers.Block` for each position, written into the same
 caches. (1) The eager layers (`layers.Decoder`): PyTorch operations, for prompts (many positions,
-torch's threads) and where nothing native applies. (2) `StackStep._run`: the C glue above, called
+torch's threads) where the products are not Kazeia's own, and where nothing native applies.
+(2) `StackStep._run`: the C glue above, called
 from Python layer by layer, with the products as Python callables (any kind, stock ones included).
 (3) `StackStep._run_whole`: the whole stack in one call of stack.c, where every product is native
 (`products.product_spec`); the same kernels in the same order as (2), so the same bits; it exists
@@ -17,8 +18,15 @@ within float rounding (tests/test_native.py runs all three on one input).
 
 Several requests step at once (`StackStep.batch`, for kazeia/frame.py): their rows go through each
 product together, which needs the products' row-independent forms (`products.row_product`); each
-request attends over its own cache at its own position. Non-goals: building the library (build.py),
-prompts (the eager layers run them).
+request attends over its own cache at its own position.
+
+Prompts run in (3) too where every product splits a prompt's rows over the calling thread's team
+itself (int4, native int8: `products.own_threads`), their attention split the same way: a prompt's
+glue in C instead of ~25 PyTorch operations a layer on one thread (benchmarks/first_audio.py's
+3-sentence prompt, 56 positions after the voice's, on a 2-vCPU Zen 4, p50 of 15 in turns: int4
+326 -> 230 ms, int8 329 -> 232 ms). Stacks of other products (the float GEMV, PyTorch's) keep the
+eager layers for prompts: their products are made for one or two rows. Non-goal: building the
+library (build.py).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import ctypes
 import torch
 
 from .. import cpu
-from ..products import NATIVE_DTYPES, ProductSpec, check, product_spec, row_product
+from ..products import NATIVE_DTYPES, ProductSpec, check, own_threads, product_spec, row_product
 
 
 class Layer(ctypes.Structure):
@@ -46,8 +54,8 @@ class Layer(ctypes.Structure):
 
 
 # Positions a native step takes at once: one, or the code predictor's two-position first step of
-# each frame (otherwise ~125 PyTorch operations per frame). Prompts keep the eager layers, whose
-# attention runs on every core.
+# each frame (otherwise ~125 PyTorch operations per frame); any number in a stack that runs prompts
+# (`StackStep.prompts`).
 MAX_POSITIONS = 2
 
 
@@ -82,6 +90,8 @@ class StackStep:
         # The whole step in one call (stack.c) where every product is native in these activations:
         # the same kernels as `layers` and `batch_layers`, in the same order.
         self.whole = self._whole(layers, products, norms)
+        # Prompts too (module docstring): stack.c with products that split many rows themselves.
+        self.prompts = self.whole is not None and all(own_threads(p) for four in products for p in four)
 
     def _whole(self, layers, products, norms):
         """stack.c's layers (a ctypes array), or None where some product is not native here."""
@@ -114,10 +124,12 @@ class StackStep:
         return t.data_ptr()
 
     def applies(self, x: torch.Tensor, cache) -> bool:
-        """One sequence at 1..MAX_POSITIONS positions in this step's dtype, over float32 caches."""
+        """One sequence at 1..MAX_POSITIONS positions (any number where `prompts`) in this step's
+        dtype, over float32 caches."""
         return (
             x.shape[0] == 1
-            and 1 <= x.shape[1] <= MAX_POSITIONS
+            and 1 <= x.shape[1]
+            and (x.shape[1] <= MAX_POSITIONS or self.prompts)
             and x.dtype == self.dtype
             and cache[0].k.dtype == torch.float32
             and cache[0].k.shape[0] == 1
@@ -125,7 +137,8 @@ class StackStep:
 
     def __call__(self, x: torch.Tensor, rope, cache, start: int) -> torch.Tensor:
         """x (1, T, H) at positions [start, start + T) -> final-normed hidden (1, T, H); fills each
-        layer's cache. T is 1, or 2 for the code predictor's first step of a frame (MAX_POSITIONS)."""
+        layer's cache. T is 1, 2 for the code predictor's first step of a frame (MAX_POSITIONS), or
+        a prompt's length (`prompts`)."""
         T = x.shape[1]
         if self.whole is not None:
             return self._run_whole(x.reshape(T, self.hidden), T, [(rope, cache, start)]).view(1, T, -1)
@@ -141,25 +154,23 @@ class StackStep:
             return self._run_whole(x.reshape(B * T, H), T, requests).view(B, T, H)
         return self._run(x.reshape(B * T, H), T, requests, self.batch_layers).view(B, T, H)
 
-    def _check_room(self, T: int, requests: list) -> int:
-        """The largest cache capacity of `requests`; an error if T positions overflow any of them."""
+    def _check_room(self, T: int, requests: list) -> None:
+        """An error if T positions overflow any of the caches of `requests`."""
         for _, cache, start in requests:
             if start + T > cache[0].k.shape[2]:
                 raise RuntimeError(f"KV cache overflow: position {start + T} > capacity {cache[0].k.shape[2]}")
-        return max(cache[0].k.shape[2] for _, cache, _ in requests)
 
     def _run_whole(self, x: torch.Tensor, T: int, requests: list) -> torch.Tensor:
         """`_run` in one call of stack.c: x (B * T, H), B = len(requests) -> final-normed (B * T, H).
         Each product splits its weight rows over the calling thread's team (`cpu.native_threads`:
         a prompt's first frame; one thread otherwise), with the same results."""
         dtype, H, nq, nkv, hd, inner = self.dtype, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inner
-        capacity = self._check_room(T, requests)
+        self._check_room(T, requests)
         B, L, n = len(requests), len(self.whole), x.shape[0]
         h = x.clone()  # the residual stream, updated in place
         # normed (the result), attended, activated, then the products' outputs: qkv, o or down, gate/up
         widths = (H, nq * hd, inner, (nq + 2 * nkv) * hd, H, 2 * inner)
         buffers = [torch.empty(n, width, dtype=dtype) for width in widths]
-        scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
         pointers = ctypes.c_void_p * B
         cos = pointers(*(c.data_ptr() for (c, _), _, _ in requests))
         sin = pointers(*(s.data_ptr() for (_, s), _, _ in requests))
@@ -168,7 +179,7 @@ class StackStep:
         caps = (ctypes.c_int * B)(*(cache[0].k.shape[2] for _, cache, _ in requests))
         starts = (ctypes.c_int * B)(*(start for _, _, start in requests))
         status = self.lib.stack_step(self.whole, L, self.first_norm, h.data_ptr(), *(b.data_ptr() for b in buffers),
-                                     scratch.data_ptr(), B, T, cos, sin, keys, values, caps, starts, nq, nkv, hd, H,
+                                     B, T, cos, sin, keys, values, caps, starts, nq, nkv, hd, H,
                                      inner, self.eps, self.qk_eps, self.dt, cpu.native_threads())  # fmt: skip
         check(status, f"the native step of {n} rows")
         return buffers[0]
@@ -178,14 +189,14 @@ class StackStep:
         lib, dt, dtype = self.lib, self.dt, self.dtype
         H, nq, nkv, hd = self.hidden, self.heads, self.kv_heads, self.head_dim
         B = len(requests)
-        capacity = self._check_room(T, requests)
+        self._check_room(T, requests)
         h = x.clone()  # the residual stream, updated in place
         rows = B * T
         normed = torch.empty(rows, H, dtype=dtype)
         attended = torch.empty(rows, nq * hd, dtype=dtype)
         activated = torch.empty(rows, self.inner, dtype=dtype)
-        scratch = torch.empty(nq * hd + nq // nkv * capacity, dtype=torch.float32)
-        hp, np_, ap, mp, sp = (t.data_ptr() for t in (h, normed, attended, activated, scratch))
+        hp, np_, ap, mp = (t.data_ptr() for t in (h, normed, attended, activated))
+        threads = cpu.native_threads()
         ropes = [(cos.data_ptr(), sin.data_ptr()) for (cos, sin), _, _ in requests]
         width, out_width = (nq + 2 * nkv) * hd * dtype.itemsize, nq * hd * dtype.itemsize  # bytes a row
         eps, qk_eps = self.eps, self.qk_eps
@@ -195,8 +206,25 @@ class StackStep:
             yp = y.data_ptr()
             for b, ((cos, sin), (_, cache, start)) in enumerate(zip(ropes, requests, strict=True)):
                 k, v = cache[index].k, cache[index].v
-                lib.attend(yp + b * T * width, qk_w, cos, sin, k.data_ptr(), v.data_ptr(), ap + b * T * out_width, sp,
-                           T, nq, nkv, hd, k.shape[2], start, qk_eps, dt)  # fmt: skip
+                status = lib.attend(
+                    yp + b * T * width,
+                    qk_w,
+                    cos,
+                    sin,
+                    k.data_ptr(),
+                    v.data_ptr(),
+                    ap + b * T * out_width,
+                    T,
+                    nq,
+                    nkv,
+                    hd,
+                    k.shape[2],
+                    start,
+                    qk_eps,
+                    dt,
+                    threads,
+                )
+                check(status, f"the native attention of {T} positions")
             # Each product's output is held in a name until the call returns (a temporary's memory
             # would be freed as soon as its address is taken).
             y = o_proj(attended)
