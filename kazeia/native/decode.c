@@ -13,12 +13,13 @@
    for float16 (where the compiler has _Float16, see `has_float16`).
    Keys and values are cached in float32, layout (kv_heads, capacity, head_dim).
 
-   Every sum has a fixed order written out in plain C (GCC's vector extensions where a loop must
-   hold 16 lanes, the exponential in arithmetic rather than libm), nothing fused
-   (-ffp-contract=off): the portable, AVX2 and AVX-512 builds give the same bits. Measured on a
-   2-vCPU Zen 4, one thread, against the scalar sums and libm's expf they replaced: a talker
-   layer's attention at position 300 115 -> 50 us, SiLU of 3072 values 15 -> 2.6 us, a 56-position
-   prompt's attention 1.18 -> 0.42 ms a layer and its SiLU 0.72 -> 0.10 ms.
+   Every sum has a fixed order written out in plain C (GCC's vector extensions at the build's own
+   width, 16 partial sums whatever it is; the exponential in arithmetic rather than libm), nothing
+   fused (-ffp-contract=off): the portable, AVX2 and AVX-512 builds give the same bits. Measured
+   on a 2-vCPU Zen 4, one thread, against the scalar sums and libm's expf they replaced (AVX-512
+   build | AVX2 build): a talker layer's attention at position 300 111 -> 81-85 | 127-185 -> 84
+   us, SiLU of 3072 values 10-15 -> 3.7 | 9-14 -> 3.6 us, a 56-position prompt's attention
+   1.07-1.16 -> 0.51-0.55 | 0.93-1.34 -> 0.48-0.50 ms a layer (one thread).
 
    Built at first use by the system C compiler; no Python headers, no PyTorch headers. */
 
@@ -49,11 +50,28 @@ static inline void *at(const void *p, long i, int dt) { return (char *)p + i * (
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* 16 lanes of float32 in GCC's (and clang's) vector extensions: each operation lane by lane, as
-   the target has it (one AVX-512 register, two AVX2 ones, four SSE ones), the same bits in all. */
-typedef float v16 __attribute__((vector_size(64)));
+/* Vectors of the build's own width in GCC's (and clang's) vector extensions: VW float32 lanes, one
+   register (16 with AVX-512, 8 with AVX, 4 otherwise). Elementwise work is the same per element at
+   any width. A sum keeps 16 partial sums whatever the width (lane l takes the terms i = l mod 16:
+   PIECES vectors), added in one fixed tree (`tree16`): every build gives the same bits. */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+enum { PIECES = 16 / VW };
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+
+#define LOADV(v, p) memcpy(&(v), (p), sizeof(vf)) /* an unaligned load */
+#define STOREV(p, v) memcpy((p), &(v), sizeof(vf))
+
+INLINE vf splat(float v) { return (vf){0.0f} + v; }
+INLINE vf pick(vi mask, vf yes, vf no) { return (vf)(((vi)yes & mask) | ((vi)no & ~mask)); }
 
 #ifdef __has_builtin
 #if __has_builtin(__builtin_shufflevector) /* GCC 12, clang: lanes moved in registers */
@@ -61,102 +79,87 @@ typedef float v4 __attribute__((vector_size(16)));
 #endif
 #endif
 
-/* The 16 lanes added in a fixed tree: lane l + 8 to lane l, then l + 4, l + 2, l + 1. */
-INLINE float tree16(const v16 *v) {
+/* The upper and lower halves of a vector of 2n lanes added: lane l + n to lane l. */
 #ifdef HAVE_SHUFFLE
-    v8 a = __builtin_shufflevector(*v, *v, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(*v, *v, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-#else /* through memory: the same additions */
+#define FOLD8(v) (__builtin_shufflevector((v), (v), 0, 1, 2, 3) + __builtin_shufflevector((v), (v), 4, 5, 6, 7))
+#else
+INLINE v4 fold8_copy(v8 v) {
+    v4 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    return lo + hi;
+}
+#define FOLD8(v) fold8_copy(v)
+#endif
+
+/* The 16 partial sums (PIECES vectors: lane l of the 16 in piece l / VW) added in a fixed tree:
+   lane l + 8 to lane l, then l + 4, l + 2, l + 1. */
+INLINE float tree16(const vf *part) {
+#if VW == 16
+#ifdef HAVE_SHUFFLE
+    const v8 a = __builtin_shufflevector(part[0], part[0], 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(part[0], part[0], 8, 9, 10, 11, 12, 13, 14, 15);
+#else
     v8 a, b;
-    memcpy(&a, v, sizeof a);
-    memcpy(&b, (const char *)v + sizeof a, sizeof b);
+    memcpy(&a, part, sizeof a);
+    memcpy(&b, (const char *)part + sizeof a, sizeof b);
     a = a + b;
-    v4 c, d;
-    memcpy(&c, &a, sizeof c);
-    memcpy(&d, (const char *)&a + sizeof c, sizeof d);
-    c = c + d;
+#endif
+    const v4 c = FOLD8(a);
+#elif VW == 8
+    const v8 a = part[0] + part[1];
+    const v4 c = FOLD8(a);
+#else
+    const v4 c = (part[0] + part[2]) + (part[1] + part[3]);
 #endif
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-#define LOAD16(v, p) memcpy(&(v), (p), sizeof(v16)) /* an unaligned load */
-
 /* sum of a[i] * b[i]: the whole 16s in 16 interleaved partial sums (lane l: i = l mod 16) added
    by tree16, then the columns past them one by one. */
 INLINE float dot(const float *a, const float *b, int n) {
-    v16 part = {0.0f};
+    vf part[PIECES];
+    for (int k = 0; k < PIECES; k++) part[k] = splat(0.0f);
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 x, y;
-        LOAD16(x, a + i);
-        LOAD16(y, b + i);
-        part += x * y;
-    }
-    float total = tree16(&part);
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < PIECES; k++) {
+            vf x, y;
+            LOADV(x, a + i + k * VW);
+            LOADV(y, b + i + k * VW);
+            part[k] += x * y;
+        }
+    float total = tree16(part);
     for (; i < n; i++) total += a[i] * b[i];
     return total;
 }
 
 /* sum of a[i] in dot's order. */
 INLINE float sum(const float *a, int n) {
-    v16 part = {0.0f};
+    vf part[PIECES];
+    for (int k = 0; k < PIECES; k++) part[k] = splat(0.0f);
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 x;
-        LOAD16(x, a + i);
-        part += x;
-    }
-    float total = tree16(&part);
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < PIECES; k++) {
+            vf x;
+            LOADV(x, a + i + k * VW);
+            part[k] += x;
+        }
+    float total = tree16(part);
     for (; i < n; i++) total += a[i];
     return total;
 }
 
-enum { HEAD_VECTORS = 16 }; /* head widths up to 256 keep a query in registers (`scores_of`) */
-
-/* out[s] = dot(q, keys + s hd, hd) * scale for s < n: for head widths a multiple of 16 up to 256,
-   the query's vectors loaded once (a key row then costs one load a vector, not two). */
-INLINE void scores_of(const float *q, const float *keys, int n, const int hd, float scale, float *out) {
-    if (hd % 16 || hd > 16 * HEAD_VECTORS) {
-        for (int s = 0; s < n; s++) out[s] = dot(q, keys + (long)s * hd, hd) * scale;
-        return;
-    }
-    v16 qv[HEAD_VECTORS];
-    for (int c = 0; c < hd / 16; c++) LOAD16(qv[c], q + 16 * c);
-    int s = 0;
-    for (; s + 4 <= n; s += 4) { /* four keys' chains side by side: each key's sums as alone */
-        v16 part[4] = {{0.0f}, {0.0f}, {0.0f}, {0.0f}};
-        for (int c = 0; c < hd / 16; c++)
-            for (int u = 0; u < 4; u++) {
-                v16 x;
-                LOAD16(x, keys + (long)(s + u) * hd + 16 * c);
-                part[u] += qv[c] * x;
-            }
-        for (int u = 0; u < 4; u++) out[s + u] = tree16(&part[u]) * scale;
-    }
-    for (; s < n; s++) {
-        const float *k = keys + (long)s * hd;
-        v16 part = {0.0f};
-        for (int c = 0; c < hd / 16; c++) {
-            v16 x;
-            LOAD16(x, k + 16 * c);
-            part += qv[c] * x;
-        }
-        out[s] = tree16(&part) * scale;
-    }
-}
-
-/* e^x in float32 within ~2 units in the last place, in plain arithmetic (no libm call) so that the
-   loops calling it are vectorized, with the same bits in every build (-ffp-contract=off: nothing
-   fused). x = n ln 2 + r, |r| <= ln 2 / 2, with ln 2 in two parts (n times the first is exact); e^r
-   by its Taylor series to r^7 (error below 3e-9 relative); 2^n put in the exponent bits. Below
-   -87 (e^x < 1.7e-38) it gives 0, above 88 infinity, NaN for NaN: a softmax or SiLU never tells. */
-INLINE float exp32(float x) {
-    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = (c * 1.44269504f + shift) - shift;
-    const float r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.0f / 5040.0f;
+/* e^x lane by lane within ~2 units in the last place, in vector arithmetic (no libm call, no
+   branch: every build vectorizes it, the same bits in all; -ffp-contract=off: nothing fused).
+   x = n ln 2 + r, |r| <= ln 2 / 2, with ln 2 in two parts (n times the first is exact); e^r by its
+   Taylor series to r^7 (error below 3e-9 relative); 2^n put in the exponent bits. Below -87
+   (e^x < 1.7e-38) it gives 0, above 88 infinity, NaN for NaN: a softmax or SiLU never tells. */
+INLINE vf expv(vf x) {
+    const vf low = splat(-87.0f), high = splat(88.0f), shift = splat(12582912.0f); /* 1.5 * 2^23 */
+    const vf c = pick(x < low, low, pick(x > high, high, x));
+    const vf n = (c * 1.44269504f + shift) - shift; /* rounded to an integer */
+    const vf r = (c - n * 0.693359375f) + n * 2.12194440e-4f;
+    vf p = splat(1.0f / 5040.0f);
     p = p * r + 1.0f / 720.0f;
     p = p * r + 1.0f / 120.0f;
     p = p * r + 1.0f / 24.0f;
@@ -164,27 +167,71 @@ INLINE float exp32(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    const float y = x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : p * scale);
-    return x != x ? x : y;
+    const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    const vf y = pick(x < low, splat(0.0f), pick(x > high, splat(INFINITY), p * (vf)bits));
+    return pick(x != x, x, y);
+}
+
+/* a[i] = e^(a[i] - shift) for i < n, a vector at a time (the last ones through a padded copy:
+   the same arithmetic). */
+INLINE void exp_shifted(float *a, int n, float shift) {
+    int i = 0;
+    for (; i + VW <= n; i += VW) {
+        vf x;
+        LOADV(x, a + i);
+        x = expv(x - shift);
+        STOREV(a + i, x);
+    }
+    if (i < n) {
+        vf x = splat(0.0f);
+        memcpy(&x, a + i, sizeof(float) * (size_t)(n - i));
+        x = expv(x - shift);
+        memcpy(a + i, &x, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+#if VW == 16
+enum { KEYS_AT_ONCE = 4 }; /* 32 registers */
+#else
+enum { KEYS_AT_ONCE = 2 }; /* 16 registers, a 16-lane sum taking two or four */
+#endif
+
+/* out[s] = dot(q, keys + s hd, hd) * scale for s < n: for head widths a multiple of 16, several
+   keys' sums side by side (independent chains, each key's sums those of dot), each vector of the
+   query loaded once for them. */
+INLINE void scores_of(const float *q, const float *keys, int n, const int hd, float scale, float *out) {
+    int s = 0;
+    if (hd % 16 == 0)
+        for (; s + KEYS_AT_ONCE <= n; s += KEYS_AT_ONCE) {
+            vf part[KEYS_AT_ONCE][PIECES];
+            for (int u = 0; u < KEYS_AT_ONCE; u++)
+                for (int k = 0; k < PIECES; k++) part[u][k] = splat(0.0f);
+            for (int c = 0; c < hd; c += 16)
+                for (int k = 0; k < PIECES; k++) {
+                    vf qc;
+                    LOADV(qc, q + c + k * VW);
+                    for (int u = 0; u < KEYS_AT_ONCE; u++) {
+                        vf x;
+                        LOADV(x, keys + (long)(s + u) * hd + c + k * VW);
+                        part[u][k] += qc * x;
+                    }
+                }
+            for (int u = 0; u < KEYS_AT_ONCE; u++) out[s + u] = tree16(part[u]) * scale;
+        }
+    for (; s < n; s++) out[s] = dot(q, keys + (long)s * hd, hd) * scale;
 }
 
 /* The largest of a[0 .. n) (n >= 1; NaNs aside, the same whatever the order). */
 INLINE float largest(const float *a, int n) {
-    typedef int32_t v16i __attribute__((vector_size(64)));
-    v16 top;
-    for (int l = 0; l < 16; l++) top[l] = a[0];
+    vf top = splat(a[0]);
     int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 x;
-        LOAD16(x, a + i);
-        const v16i more = x > top; /* lanes where x is larger: all ones */
-        top = (v16)(((v16i)x & more) | ((v16i)top & ~more));
+    for (; i + VW <= n; i += VW) {
+        vf x;
+        LOADV(x, a + i);
+        top = pick(x > top, x, top);
     }
     float best = a[0];
-    for (int l = 0; l < 16; l++) best = top[l] > best ? top[l] : best;
+    for (int l = 0; l < VW; l++) best = top[l] > best ? top[l] : best;
     for (; i < n; i++) best = a[i] > best ? a[i] : best;
     return best;
 }
@@ -255,23 +302,27 @@ INLINE void place(const void *qkv, const void *qk_w, const void *cos, const void
     }
 }
 
-/* acc[i] += p[s] * values[s hd + i] for s < m in order, i < hd: for head widths a multiple of 16
-   up to 256 the sums held in registers over the rows. */
+enum { SUM_VECTORS = 8 }; /* accumulated vectors held in registers (`accumulate`) */
+
+/* acc[i] += p[s] * values[s hd + i] for s < m in order, i < hd: SUM_VECTORS vectors of columns at
+   a time held in registers over the rows. */
 INLINE void accumulate(float *acc, const float *p, const float *values, int m, const int hd) {
-    if (hd % 16 || hd > 16 * HEAD_VECTORS) {
+    int c0 = 0;
+    while (c0 + VW <= hd) {
+        const int vectors = (hd - c0) / VW < SUM_VECTORS ? (hd - c0) / VW : SUM_VECTORS;
+        vf a[SUM_VECTORS];
+        for (int c = 0; c < vectors; c++) LOADV(a[c], acc + c0 + VW * c);
         for (int s = 0; s < m; s++)
-            for (int i = 0; i < hd; i++) acc[i] += p[s] * values[(long)s * hd + i];
-        return;
+            for (int c = 0; c < vectors; c++) {
+                vf x;
+                LOADV(x, values + (long)s * hd + c0 + VW * c);
+                a[c] += p[s] * x;
+            }
+        for (int c = 0; c < vectors; c++) STOREV(acc + c0 + VW * c, a[c]);
+        c0 += VW * vectors;
     }
-    v16 a[HEAD_VECTORS];
-    for (int c = 0; c < hd / 16; c++) LOAD16(a[c], acc + 16 * c);
     for (int s = 0; s < m; s++)
-        for (int c = 0; c < hd / 16; c++) {
-            v16 x;
-            LOAD16(x, values + (long)s * hd + 16 * c);
-            a[c] += p[s] * x;
-        }
-    for (int c = 0; c < hd / 16; c++) memcpy(acc + 16 * c, &a[c], sizeof a[c]);
+        for (int i = c0; i < hd; i++) acc[i] += p[s] * values[(long)s * hd + i];
 }
 
 enum { KEY_BLOCK = 16 }; /* key or value rows a block (8 KB at the released models' 128 wide heads) */
@@ -303,7 +354,7 @@ INLINE void attend_item(const struct attend_job *job, int item, const int dt, co
     for (int g = 0; g < group; g++) {
         float *sg = scores + (long)g * n;
         const float top = largest(sg, n);
-        for (int s = 0; s < n; s++) sg[s] = exp32(sg[s] - top);
+        exp_shifted(sg, n, top);
         total[g] = sum(sg, n);
         for (int i = 0; i < hd; i++) acc[g][i] = 0.0f;
     }
@@ -364,11 +415,30 @@ int attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, 
     return 0;
 }
 
+/* silu(g) = g / (1 + e^-g) lane by lane. */
+INLINE vf siluv(vf g) { return g / (1.0f + expv(-g)); }
+
 INLINE void silu_mul_row(const void *gu, void *o, int n, const int dt) {
-    for (int i = 0; i < n; i++) {
-        const float g = load(gu, i, dt);
-        const float s = rnd(g / (1.0f + exp32(-g)), dt);
-        store(o, i, s * load(gu, (long)n + i, dt), dt);
+    int i = 0;
+    if (dt == F32) { /* whole vectors straight from the row */
+        const float *gate = gu, *up = gate + n;
+        for (; i + VW <= n; i += VW) {
+            vf g, u;
+            LOADV(g, gate + i);
+            LOADV(u, up + i);
+            const vf y = siluv(g) * u;
+            STOREV((float *)o + i, y);
+        }
+    }
+    for (; i < n; i += VW) { /* through copies: the last ones, and other dtypes (the same arithmetic) */
+        const int m = n - i < VW ? n - i : VW;
+        float g[VW], s[VW];
+        for (int l = 0; l < VW; l++) g[l] = l < m ? load(gu, i + l, dt) : 0.0f;
+        vf x;
+        LOADV(x, g);
+        x = siluv(x);
+        STOREV(s, x);
+        for (int l = 0; l < m; l++) store(o, i + l, rnd(s[l], dt) * load(gu, (long)n + i + l, dt), dt);
     }
 }
 
