@@ -50,6 +50,11 @@ static inline void *at(const void *p, long i, int dt) { return (char *)p + i * (
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* f(args..., dt) with dt a constant in each call: each dtype gets loops of its own, whose
+   conversions are known and which the compiler vectorizes. */
+#define BY_DTYPE(dt, f, ...)                                                                          \
+    ((dt) == F32 ? f(__VA_ARGS__, F32) : (dt) == BF16 ? f(__VA_ARGS__, BF16) : f(__VA_ARGS__, F16))
+
 /* Vectors of the build's own width in GCC's (and clang's) vector extensions: VW float32 lanes, one
    register (16 with AVX-512, 8 with AVX, 4 otherwise). Elementwise work is the same per element at
    any width. A sum keeps 16 partial sums whatever the width (lane l takes the terms i = l mod 16:
@@ -258,13 +263,7 @@ INLINE void add_rms_norm_row(void *h, const void *delta, const void *w, void *ou
 void add_rms_norm(void *h, const void *delta, const void *w, void *out, int rows, int n, float eps, int dt) {
     for (int r = 0; r < rows; r++) {
         void *hr = at(h, (long)r * n, dt), *o = at(out, (long)r * n, dt);
-        const void *d = delta ? at(delta, (long)r * n, dt) : NULL;
-        if (dt == F32) /* each dtype its own loops: constant conversions, vectorized */
-            add_rms_norm_row(hr, d, w, o, n, eps, F32);
-        else if (dt == BF16)
-            add_rms_norm_row(hr, d, w, o, n, eps, BF16);
-        else
-            add_rms_norm_row(hr, d, w, o, n, eps, F16);
+        BY_DTYPE(dt, add_rms_norm_row, hr, delta ? at(delta, (long)r * n, dt) : NULL, w, o, n, eps);
     }
 }
 
@@ -336,7 +335,7 @@ struct attend_job {
 
 /* Item `item` = t * nkv + j: the query heads of key/value head j at position pos + t, into out
    (row t: nq heads of hd values, dt). */
-INLINE void attend_item(const struct attend_job *job, int item, const int dt, const int hd) {
+INLINE void attend_item(const struct attend_job *job, int item, const int hd, const int dt) {
     const int nq = job->nq, nkv = job->nkv, group = nq / nkv;
     const int t = item / nkv, j = item % nkv, n = job->pos + t + 1;
     const float scale = 1.0f / sqrtf((float)hd);
@@ -362,8 +361,10 @@ INLINE void attend_item(const struct attend_job *job, int item, const int dt, co
         const int m = n - s < KEY_BLOCK ? n - s : KEY_BLOCK;
         for (int g = 0; g < group; g++) accumulate(acc[g], scores + (long)g * n + s, values + (long)s * hd, m, hd);
     }
-    for (int g = 0; g < group; g++)
-        for (int i = 0; i < hd; i++) store(job->out, ((long)t * nq + (long)(j * group + g)) * hd + i, acc[g][i] / total[g], dt);
+    for (int g = 0; g < group; g++) {
+        const long row = ((long)t * nq + (long)(j * group + g)) * hd;
+        for (int i = 0; i < hd; i++) store(job->out, row + i, acc[g][i] / total[g], dt);
+    }
 }
 
 /* One thread's items: index, index + jobs, ... (interleaved: a later position attends to more). */
@@ -371,13 +372,9 @@ static void *attend_job_run(void *arg) {
     const struct attend_job *job = arg;
     for (int item = job->index; item < job->items; item += job->jobs) {
         if (job->dt == F32 && job->hd == 128) /* the released models' heads: constant loops */
-            attend_item(job, item, F32, 128);
-        else if (job->dt == F32)
-            attend_item(job, item, F32, job->hd);
-        else if (job->dt == BF16)
-            attend_item(job, item, BF16, job->hd);
+            attend_item(job, item, 128, F32);
         else
-            attend_item(job, item, F16, job->hd);
+            BY_DTYPE(job->dt, attend_item, job, item, job->hd);
     }
     return NULL;
 }
@@ -397,13 +394,7 @@ int attend(const void *qkv, const void *qk_w, const void *cos, const void *sin, 
     if (!q) return -2;
     for (int t = 0; t < count; t++) {
         const void *row = at(qkv, t * width, dt), *c = at(cos, (long)t * hd, dt), *s = at(sin, (long)t * hd, dt);
-        float *qt = q + (long)t * nq * hd;
-        if (dt == F32)
-            place(row, qk_w, c, s, k_cache, v_cache, qt, nq, nkv, hd, cap, pos + t, eps, F32);
-        else if (dt == BF16)
-            place(row, qk_w, c, s, k_cache, v_cache, qt, nq, nkv, hd, cap, pos + t, eps, BF16);
-        else
-            place(row, qk_w, c, s, k_cache, v_cache, qt, nq, nkv, hd, cap, pos + t, eps, F16);
+        BY_DTYPE(dt, place, row, qk_w, c, s, k_cache, v_cache, q + (long)t * nq * hd, nq, nkv, hd, cap, pos + t, eps);
     }
     struct attend_job all[ATTEND_THREADS];
     float *scores = q + (long)count * nq * hd;
@@ -447,12 +438,6 @@ INLINE void silu_mul_row(const void *gu, void *o, int n, const int dt) {
 void silu_mul(const void *gate_up, void *out, int rows, int n, int dt) {
     for (int r = 0; r < rows; r++) {
         const void *gu = at(gate_up, 2L * r * n, dt);
-        void *o = at(out, (long)r * n, dt);
-        if (dt == F32)
-            silu_mul_row(gu, o, n, F32);
-        else if (dt == BF16)
-            silu_mul_row(gu, o, n, BF16);
-        else
-            silu_mul_row(gu, o, n, F16);
+        BY_DTYPE(dt, silu_mul_row, gu, at(out, (long)r * n, dt), n);
     }
 }
