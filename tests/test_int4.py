@@ -124,15 +124,17 @@ def test_a_bfloat16_product_gives_each_row_its_one_row_sums(threads, outputs, co
     """HeadLinear (gemv.c's gemm_wide): every row of a product of many (a prompt's, its weight
     rows split over the team's threads) is that row's product alone, bit for bit, for any split
     and any width (a width that is no multiple of the vectors included), and the float product of
-    the bfloat16 weights within float32 rounding."""
+    the bfloat16 weights within float32 rounding (with the activations rounded to bfloat16 where
+    the build has AVX512_BF16's pair dot product, which multiplies them so)."""
     gen = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(outputs, cols, generator=gen), torch.randn(outputs, generator=gen)
     head = HeadLinear(weight, bias, LIB)
-    x = torch.randn(17, cols, generator=gen)
+    x = torch.randn(23, cols, generator=gen)  # tiles of 6 rows from 6 rows on, of bfloat16 pairs from 18
     alone = torch.cat([head(row[None]) for row in x])
     with cpu.team(threads, openmp=False):
         assert torch.equal(head(x), alone) and torch.equal(head(x[:5].view(5, 1, cols)), alone[:5].view(5, 1, -1))
-    ref = x.double() @ weight.to(torch.bfloat16).double().T + bias.double()
+    xs = x.to(torch.bfloat16) if LIB.gemv_bf16_dot() else x
+    ref = xs.double() @ weight.to(torch.bfloat16).double().T + bias.double()
     assert float((alone.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
     assert head(x[:0]).shape == (0, outputs)
 
