@@ -145,7 +145,7 @@ class FrameStep:
         with cpu.team(*(team or cpu.Team(None))):
             if voiced:
                 self._voice_positions(prompt.embeds[:, :voiced], state.cache.layers)
-            hidden = talker(prompt.embeds[:, voiced:], state.cache.layers, voiced)[:, -1:]  # (1, 1, H)
+            hidden = talker(prompt.embeds[:, voiced:], state.cache.layers, voiced, last=True)  # (1, 1, H)
             return state, self._frames([state], hidden, go_on)[0]
 
     @torch.inference_mode()

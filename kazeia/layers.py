@@ -347,12 +347,15 @@ class Decoder(nn.Module):
         dtype = cache_dtype(w.dtype, w.device)
         return [KVCache(batch, first.kv_heads, capacity, first.head_dim, w.device, dtype) for _ in self.layers]
 
-    def decode(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
-        """x (B, T, H) at positions [start, start + T) of `cache` -> final-normed hidden (B, T, H)."""
+    def decode(self, x: torch.Tensor, cache: list[KVCache], start: int, last: bool = False) -> torch.Tensor:
+        """x (B, T, H) at positions [start, start + T) of `cache` -> final-normed hidden (B, T, H),
+        or the last position's alone (B, 1, H) where `last`: the same values, sooner where the
+        native step skips the others' work in the last layer (a prompt's)."""
         rope = self.rotary.span(start, x.shape[1], x.dtype, x.device)
         step = self.native_step
         if step is not None and step.applies(x, cache):
-            return step(x, rope, cache, start)
+            return step(x, rope, cache, start, last)
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             x = layer(x, rope, layer_cache, start)
-        return self.norm(x)
+        x = self.norm(x)
+        return x[:, -1:] if last else x

@@ -44,6 +44,7 @@ class Talker(Decoder):
         """ids (B, T) text token ids -> (B, T, H) text-track vectors."""
         return self.text_projection(self.text_embedding(ids))
 
-    def forward(self, x: torch.Tensor, cache: list[KVCache], start: int) -> torch.Tensor:
-        """x (B, T, H) input vectors at positions [start, start+T) -> final-normed hidden (B, T, H)."""
-        return self.decode(x, cache, start)
+    def forward(self, x: torch.Tensor, cache: list[KVCache], start: int, last: bool = False) -> torch.Tensor:
+        """x (B, T, H) input vectors at positions [start, start+T) -> final-normed hidden (B, T, H),
+        or the last position's (B, 1, H) where `last` (`Decoder.decode`)."""
+        return self.decode(x, cache, start, last)

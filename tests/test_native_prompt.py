@@ -192,6 +192,31 @@ def test_prompts_of_stacks_whose_products_split_rows_run_in_one_native_call(kind
     assert error <= 1.25 * float((theirs - truth).norm() / truth.norm()) and error < 0.1
 
 
+@pytest.mark.parametrize("kind", [k for k in kinds() if k.values[0] != "native"])
+def test_a_prompts_last_position_alone_has_the_bits_it_has_among_all(kind):
+    """`last` (a prompt whose last position makes the first frame): the last layer's output product
+    and MLP run on the last row alone, which gets the bits it gets among all the rows, on one
+    thread or three; every position's keys and values are placed all the same."""
+    layers, norm, _ = make_stack(kind)
+    step = native.stack_step(native.library(), layers, norm, torch.float32)
+    rot = Rotary(HEAD_DIM, 10000.0)
+    gen = torch.Generator().manual_seed(6)
+    head, prompt = torch.randn(1, 4, DIM, generator=gen), torch.randn(1, 23, DIM, generator=gen)
+    with torch.inference_mode():
+        for team in (1, 3):
+            got = []
+            for last in (False, True):
+                cache = caches()
+                step(head, rot.span(0, 4, torch.float32, "cpu"), cache, 0)
+                with cpu.team(team, openmp=False):
+                    out = step(prompt, rot.span(4, 23, torch.float32, "cpu"), cache, 4, last=last)
+                keys, values = (torch.cat([getattr(c, kv)[:, :, :27] for c in cache]) for kv in "kv")
+                got.append((out, keys, values))
+            (every, k, v), (alone, k_alone, v_alone) = got
+            assert every.shape == (1, 23, DIM) and alone.shape == (1, 1, DIM)
+            assert torch.equal(alone, every[:, -1:]) and torch.equal(k_alone, k) and torch.equal(v_alone, v)
+
+
 # The glue's results as bytes (a digest), for one build: norms, SiLU, attention at a released head
 # width and at an odd one (its generic loops), on two threads.
 GLUE = """

@@ -221,7 +221,7 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "int4_kernel": ([], _INT),
     "int8_gemm": ([*[_P] * 5, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
     "int8_kernel": ([], _INT),
-    "stack_step": ([_P, _INT, *[_P] * 8, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT, _INT], _INT),
+    "stack_step": ([_P, _INT, *[_P] * 8, _INT, _INT, *[_P] * 6, *[_INT] * 5, _F, _F, _INT, _INT, _INT], _INT),
 }
 
 

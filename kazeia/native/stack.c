@@ -63,13 +63,18 @@ static int product(const Product *p, const void *x, void *y, int m, int threads)
    starts[r] .. starts[r] + T - 1 of its caches: layer l's keys and values at k[r * L + l],
    v[r * L + l] ((nkv, caps[r], hd) float32), its rotation cos[r], sin[r] (T x hd, dt).
    Buffers (dt): attended n x nq*hd, activated n x inner, qkv n x (nq + 2 nkv) hd, out n x H,
-   gate_up n x 2 inner. `threads`: each product's and attention's (at least one). Returns 0, or
-   the first failing product's (or attention's) status. */
+   gate_up n x 2 inner. `threads`: each product's and attention's (at least one). `last` (one
+   request only): only the last position's result is wanted (a prompt's, whose last position
+   makes the first frame): the last layer places every position's keys and values and attends
+   them all, then runs its output product and MLP on the last row alone, the same bits as with
+   the others (each row's result is its own); the other rows of normed are left as they were.
+   Returns 0, or the first failing product's (or attention's) status. */
 int stack_step(const Layer *layers, int L, const void *first_norm, void *h, void *normed, void *attended,
                void *activated, void *qkv, void *out, void *gate_up, int B, int T,
                const void *const *cos, const void *const *sin, float *const *k, float *const *v, const int *caps,
                const int *starts, int nq, int nkv, int hd, int H, int inner, float eps, float qk_eps, int dt,
-               int threads) {
+               int threads, int last) {
+    if (last && B != 1) return -1;
     const int n = B * T, size = dt == 0 ? 4 : 2;
     const long width = (long)(nq + 2 * nkv) * hd * size, out_width = (long)nq * hd * size; /* bytes a row */
     int status;
@@ -82,12 +87,15 @@ int stack_step(const Layer *layers, int L, const void *first_norm, void *h, void
                                  v[(long)r * L + l], (char *)attended + (long)r * T * out_width, T, nq, nkv, hd,
                                  caps[r], starts[r], qk_eps, dt, threads)))
                 return status;
-        if ((status = product(&layer->o, attended, out, n, threads))) return status;
-        add_rms_norm(h, out, layer->post_w, normed, n, H, eps, dt);
-        if ((status = product(&layer->gate_up, normed, gate_up, n, threads))) return status;
-        silu_mul(gate_up, activated, n, inner, dt);
-        if ((status = product(&layer->down, activated, out, n, threads))) return status;
-        add_rms_norm(h, out, layer->next_w, normed, n, H, eps, dt);
+        /* rows [first, n) from here on: all of them, or the last one in the last layer */
+        const int first = last && l == L - 1 ? n - 1 : 0, m = n - first;
+        void *hs = (char *)h + (long)first * H * size, *ns = (char *)normed + (long)first * H * size;
+        if ((status = product(&layer->o, (char *)attended + first * out_width, out, m, threads))) return status;
+        add_rms_norm(hs, out, layer->post_w, ns, m, H, eps, dt);
+        if ((status = product(&layer->gate_up, ns, gate_up, m, threads))) return status;
+        silu_mul(gate_up, activated, m, inner, dt);
+        if ((status = product(&layer->down, activated, out, m, threads))) return status;
+        add_rms_norm(hs, out, layer->next_w, ns, m, H, eps, dt);
     }
     return 0;
 }

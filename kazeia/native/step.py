@@ -135,14 +135,17 @@ class StackStep:
             and cache[0].k.shape[0] == 1
         )
 
-    def __call__(self, x: torch.Tensor, rope, cache, start: int) -> torch.Tensor:
-        """x (1, T, H) at positions [start, start + T) -> final-normed hidden (1, T, H); fills each
-        layer's cache. T is 1, 2 for the code predictor's first step of a frame (MAX_POSITIONS), or
-        a prompt's length (`prompts`)."""
+    def __call__(self, x: torch.Tensor, rope, cache, start: int, last: bool = False) -> torch.Tensor:
+        """x (1, T, H) at positions [start, start + T) -> final-normed hidden (1, T, H), or (1, 1, H)
+        for the last position alone where `last` (stack.c then skips the last layer's output
+        product and MLP for the others: a prompt's); fills each layer's cache. T is 1, 2 for the
+        code predictor's first step of a frame (MAX_POSITIONS), or a prompt's length (`prompts`)."""
         T = x.shape[1]
         if self.whole is not None:
-            return self._run_whole(x.reshape(T, self.hidden), T, [(rope, cache, start)]).view(1, T, -1)
-        return self._run(x.reshape(T, self.hidden), T, [(rope, cache, start)], self.layers).view(1, T, -1)
+            out = self._run_whole(x.reshape(T, self.hidden), T, [(rope, cache, start)], last)
+        else:
+            out = self._run(x.reshape(T, self.hidden), T, [(rope, cache, start)], self.layers)
+        return out[-1:].view(1, 1, -1) if last else out.view(1, T, -1)
 
     def batch(self, x: torch.Tensor, requests: list) -> torch.Tensor:
         """Several requests' step at once: x (B, T, H), request b at positions [start_b, start_b + T)
@@ -160,10 +163,11 @@ class StackStep:
             if start + T > cache[0].k.shape[2]:
                 raise RuntimeError(f"KV cache overflow: position {start + T} > capacity {cache[0].k.shape[2]}")
 
-    def _run_whole(self, x: torch.Tensor, T: int, requests: list) -> torch.Tensor:
-        """`_run` in one call of stack.c: x (B * T, H), B = len(requests) -> final-normed (B * T, H).
-        Each product splits its weight rows over the calling thread's team (`cpu.native_threads`:
-        a prompt's first frame; one thread otherwise), with the same results."""
+    def _run_whole(self, x: torch.Tensor, T: int, requests: list, last: bool = False) -> torch.Tensor:
+        """`_run` in one call of stack.c: x (B * T, H), B = len(requests) -> final-normed (B * T, H),
+        of whose rows only the last is computed where `last` (one request). Each product splits its
+        weight rows over the calling thread's team (`cpu.native_threads`: a prompt's first frame;
+        one thread otherwise), with the same results."""
         dtype, H, nq, nkv, hd, inner = self.dtype, self.hidden, self.heads, self.kv_heads, self.head_dim, self.inner
         self._check_room(T, requests)
         B, L, n = len(requests), len(self.whole), x.shape[0]
@@ -179,8 +183,8 @@ class StackStep:
         caps = (ctypes.c_int * B)(*(cache[0].k.shape[2] for _, cache, _ in requests))
         starts = (ctypes.c_int * B)(*(start for _, _, start in requests))
         status = self.lib.stack_step(self.whole, L, self.first_norm, h.data_ptr(), *(b.data_ptr() for b in buffers),
-                                     B, T, cos, sin, keys, values, caps, starts, nq, nkv, hd, H,
-                                     inner, self.eps, self.qk_eps, self.dt, cpu.native_threads())  # fmt: skip
+                                     B, T, cos, sin, keys, values, caps, starts, nq, nkv, hd, H, inner,
+                                     self.eps, self.qk_eps, self.dt, cpu.native_threads(), int(last))  # fmt: skip
         check(status, f"the native step of {n} rows")
         return buffers[0]
 
