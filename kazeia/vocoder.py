@@ -161,6 +161,12 @@ class DecoderBlock(nn.Module):
         return x
 
 
+def _unit_convs(blocks) -> set[int]:
+    """The ids of the convolutions of the residual units in `blocks`."""
+    units = [m for block in blocks for m in block.modules() if isinstance(m, ResidualUnit)]
+    return {id(conv) for unit in units for conv in (unit.conv1, unit.conv2)}
+
+
 class Vocoder(nn.Module):
     """Codes (B, T, 16) in 0..2047 -> audio (B, T*1920) in [-1, 1]; offline (`forward`) or chunk by chunk."""
 
@@ -217,7 +223,8 @@ class Vocoder(nn.Module):
         weights, the transformer's and ConvNeXt's linears packed as the talker's. `int8`: the residual
         units' convolutions of the decoder blocks after the first (~65 % of a frame's multiply-adds)
         become `Tiled8` products; the earlier layers stay float32, as their errors grow the most on
-        the way to the audio (docs/design.md). Needs the native library and a float32 `dtype`."""
+        the way to the audio, but for the first block's residual units, which take bfloat16 pairs
+        where the build has them (docs/design.md). Needs the native library and a float32 `dtype`."""
         lib = native.library() if torch.device(device).type == "cpu" else None
         if int8 and (lib is None or dtype != torch.float32):
             where = "a float32 dtype" if lib is not None else "the CPU with the native library (kazeia/native)"
@@ -240,15 +247,16 @@ class Vocoder(nn.Module):
         the CPU has them), each packed weight replaces the original (the pre-conv's stays: its
         device and dtype stand for the vocoder's)."""
         half = dtype == torch.bfloat16
-        later_blocks = self.decoder[2:-2] if int8 else []  # decoder blocks after the first
-        units = [m for block in later_blocks for m in block.modules() if isinstance(m, ResidualUnit)]
-        integer = {id(conv) for unit in units for conv in (unit.conv1, unit.conv2)}
+        integer = _unit_convs(self.decoder[2:-2]) if int8 else set()  # decoder blocks after the first
+        # int8: the first block's units in bfloat16 pairs where the build has them (`Tiled`), else
+        # float32 as they are
+        paired = _unit_convs(self.decoder[1:2]) if int8 else set()
         self.float()
         fuse_projections(self.pre_transformer)
         replace_linears(self, lambda linear: TiledLinear(lib, linear, half))
         for module in list(self.modules()):
             if isinstance(module, TimeMajorConv):
-                module.use_native(lib, half, keep_weight=module is self.pre_conv, int8=id(module) in integer)
+                module.use_native(lib, half or id(module) in paired, module is self.pre_conv, id(module) in integer)
             elif isinstance(module, (TimeMajorTransConv, Codebooks)):
                 module.use_native(lib, half)
             elif isinstance(module, Depthwise):
