@@ -433,7 +433,8 @@ static inline __attribute__((always_inline)) void wide_block_pairs(const uint16_
 static void ask_next_chunk(const struct wide_job *j, long r0, long r1, long c0) {
     const long c1 = c0 + TILE_COLS < j->cols ? c0 + TILE_COLS : j->cols;
     for (long r = r0; r < r1; r++)
-        for (long c = c0; c < c1; c += 32) _mm_prefetch((const char *)((const uint16_t *)j->w + r * j->cols + c), _MM_HINT_T1);
+        for (long c = c0; c < c1; c += 32)
+            _mm_prefetch((const char *)((const uint16_t *)j->w + r * j->cols + c), _MM_HINT_T1);
 }
 
 static void wide_block_pairs_any(const uint16_t *w, const uint16_t *xs, long cols, long b0, long b1, int pairs,
@@ -538,7 +539,7 @@ int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *
 #endif
     struct wide_job jobs[WIDE_THREADS];
     for (int i = 0; i < threads; i++)
-        jobs[i] = (struct wide_job){w,    wdt,  x,   bias, y, rows, cols, m, rows * i / threads, rows * (i + 1) / threads,
+        jobs[i] = (struct wide_job){w, wdt, x, bias, y, rows, cols, m, rows * i / threads, rows * (i + 1) / threads,
                                     tiles, xb};
     run_jobs(wide_job_run, jobs, sizeof jobs[0], threads);
     free(tiles);
