@@ -327,13 +327,17 @@ static void wide_rows(const struct wide_job *j, long r, long i0, long i1) {
 enum { TILE_X = 6, TILE_COLS = 512, PAIRS = WIDE_ROWS / 2 };
 typedef vec tile_part[4][2][TILE_X]; /* one weight pair's accumulators: [u][weight row][activation row] */
 
+/* wide_block's dtype for bfloat16 weights and activations in the pair dot product (PAIR_DOT): a
+   vector holds 32 columns, and each accumulator gets row_dot_bf16's pair products in its order. */
+enum { PAIRED = 3 };
+
 /* The accumulators of `pairs` weight-row pairs (w: the first pair's first row; rows of cols
    values) against nx activation rows over blocks [b0, b1) of four vectors: xs holds those columns
-   of the nx rows, TILE_COLS floats a row. */
-static inline __attribute__((always_inline)) void wide_block(const void *w, const int dt, const float *xs, long cols,
+   of the nx rows, TILE_COLS values a row (float32, or bfloat16 where dt is PAIRED). */
+static inline __attribute__((always_inline)) void wide_block(const void *w, const int dt, const void *xs, long cols,
                                                              long b0, long b1, int pairs, const int nx,
                                                              tile_part *part) {
-    const long width = dt == F32 ? 4 : 2, step = 4 * LANES;
+    const long width = dt == F32 ? 4 : 2, lanes = dt == PAIRED ? 32 : LANES, step = 4 * lanes;
     for (int p = 0; p < pairs; p++) {
         const void *w0 = (const char *)w + 2 * p * cols * width, *w1 = (const char *)w0 + cols * width;
         for (int u = 0; u < 4; u++) {
@@ -343,10 +347,22 @@ static inline __attribute__((always_inline)) void wide_block(const void *w, cons
                 a1[k] = b0 ? part[p][u][1][k] : vzero();
             }
             for (long b = b0; b < b1; b++) {
-                const long c = b * step + u * LANES, cx = (b - b0) * step + u * LANES;
+                const long c = b * step + u * lanes, cx = (b - b0) * step + u * lanes;
+#if PAIR_DOT
+                if (dt == PAIRED) {
+                    const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const uint16_t *)w0 + c);
+                    const __m512bh v1 = (__m512bh)_mm512_loadu_si512((const uint16_t *)w1 + c);
+                    for (int k = 0; k < nx; k++) {
+                        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t *)xs + k * TILE_COLS + cx);
+                        a0[k] = _mm512_dpbf16_ps(a0[k], v0, xv);
+                        a1[k] = _mm512_dpbf16_ps(a1[k], v1, xv);
+                    }
+                    continue;
+                }
+#endif
                 const vec v0 = vload(w0, c, dt), v1 = vload(w1, c, dt);
                 for (int k = 0; k < nx; k++) {
-                    const vec xv = vload(xs + k * TILE_COLS, cx, F32);
+                    const vec xv = vload((const float *)xs + k * TILE_COLS, cx, F32);
                     a0[k] = vfma(v0, xv, a0[k]);
                     a1[k] = vfma(v1, xv, a1[k]);
                 }
@@ -357,11 +373,13 @@ static inline __attribute__((always_inline)) void wide_block(const void *w, cons
 }
 
 /* wide_block with its dtype and activation row count constants. */
-static void wide_block_any(const void *w, int dt, const float *xs, long cols, long b0, long b1, int pairs, int nx,
+static void wide_block_any(const void *w, int dt, const void *xs, long cols, long b0, long b1, int pairs, int nx,
                            tile_part *part) {
 #define WIDE_BLOCK(n)                                                                                                  \
     do {                                                                                                               \
-        if (dt == BF16)                                                                                                \
+        if (PAIR_DOT && dt == PAIRED)                                                                                  \
+            wide_block(w, PAIRED, xs, cols, b0, b1, pairs, n, part);                                                   \
+        else if (dt == BF16)                                                                                           \
             wide_block(w, BF16, xs, cols, b0, b1, pairs, n, part);                                                     \
         else if (dt == F16)                                                                                            \
             wide_block(w, F16, xs, cols, b0, b1, pairs, n, part);                                                      \
@@ -397,35 +415,6 @@ static void wide_layout(const void *x, size_t size, long m, long cols, void *til
 }
 
 #if PAIR_DOT
-/* wide_block for bfloat16 weights and activations (xs: bfloat16) in the pair dot product: a block
-   is 128 columns, four vectors of 32, and each accumulator gets row_dot_bf16's pair products in its
-   order, so every sum is row_dot_bf16's. */
-static inline __attribute__((always_inline)) void wide_block_pairs(const uint16_t *w, const uint16_t *xs, long cols,
-                                                                   long b0, long b1, int pairs, const int nx,
-                                                                   tile_part *part) {
-    for (int p = 0; p < pairs; p++) {
-        const uint16_t *w0 = w + 2 * p * cols, *w1 = w0 + cols;
-        for (int u = 0; u < 4; u++) {
-            vec a0[TILE_X], a1[TILE_X];
-            for (int k = 0; k < nx; k++) {
-                a0[k] = b0 ? part[p][u][0][k] : vzero();
-                a1[k] = b0 ? part[p][u][1][k] : vzero();
-            }
-            for (long b = b0; b < b1; b++) {
-                const long c = b * 128 + u * 32, cx = (b - b0) * 128 + u * 32;
-                const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const void *)(w0 + c));
-                const __m512bh v1 = (__m512bh)_mm512_loadu_si512((const void *)(w1 + c));
-                for (int k = 0; k < nx; k++) {
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(xs + k * TILE_COLS + cx));
-                    a0[k] = _mm512_dpbf16_ps(a0[k], v0, xv);
-                    a1[k] = _mm512_dpbf16_ps(a1[k], v1, xv);
-                }
-            }
-            for (int k = 0; k < nx; k++) part[p][u][0][k] = a0[k], part[p][u][1][k] = a1[k];
-        }
-    }
-}
-
 /* The first tile reads its weights from memory, where the pair dot product outruns the hardware's
    own prefetching: it asks for the next chunk's weight rows [r0, r1) from column c0 into the
    second-level cache (on a 2-vCPU Zen 4, 14 x (46 x 3072 -> 1024) products: 98-109 GMAC/s on two
@@ -435,18 +424,6 @@ static void ask_next_chunk(const struct wide_job *j, long r0, long r1, long c0) 
     for (long r = r0; r < r1; r++)
         for (long c = c0; c < c1; c += 32)
             _mm_prefetch((const char *)((const uint16_t *)j->w + r * j->cols + c), _MM_HINT_T1);
-}
-
-static void wide_block_pairs_any(const uint16_t *w, const uint16_t *xs, long cols, long b0, long b1, int pairs,
-                                 int nx, tile_part *part) {
-    switch (nx) {
-    case 1: wide_block_pairs(w, xs, cols, b0, b1, pairs, 1, part); break;
-    case 2: wide_block_pairs(w, xs, cols, b0, b1, pairs, 2, part); break;
-    case 3: wide_block_pairs(w, xs, cols, b0, b1, pairs, 3, part); break;
-    case 4: wide_block_pairs(w, xs, cols, b0, b1, pairs, 4, part); break;
-    case 5: wide_block_pairs(w, xs, cols, b0, b1, pairs, 5, part); break;
-    default: wide_block_pairs(w, xs, cols, b0, b1, pairs, TILE_X, part); break;
-    }
 }
 #endif
 
@@ -466,14 +443,10 @@ static void wide_tiles(const struct wide_job *j, long r0, long r1) {
             const long at = (i / TILE_X * chunks + b0 / chunk) * TILE_X * TILE_COLS;
             const char *w = (const char *)j->w + r0 * j->cols * width;
 #if PAIR_DOT
-            if (j->xb) {
-                if (i == 0 && b1 < blocks) ask_next_chunk(j, r0, r1, b1 * 128);
-                wide_block_pairs_any((const uint16_t *)w, (const uint16_t *)j->tiles + at, j->cols, b0, b1, pairs, nx,
-                                     part);
-                continue;
-            }
+            if (j->xb && i == 0 && b1 < blocks) ask_next_chunk(j, r0, r1, b1 * 128);
 #endif
-            wide_block_any(w, j->wdt, (const float *)j->tiles + at, j->cols, b0, b1, pairs, nx, part);
+            const void *xs = (const char *)j->tiles + at * (j->xb ? sizeof(uint16_t) : sizeof(float));
+            wide_block_any(w, j->xb ? PAIRED : j->wdt, xs, j->cols, b0, b1, pairs, nx, part);
         }
         for (int p = 0; p < pairs; p++)
             for (int q = 0; q < 2; q++) {
@@ -513,7 +486,7 @@ enum { WIDE_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
    activation rows in pairs): each row's result is that of m = 1, whatever m, the weight rows' split
    over `threads` threads (a prompt's product) or the order they are taken in. With PAIR_DOT,
    bfloat16 weights meet the activations rounded to bfloat16 in the pair dot product (row_dot_bf16,
-   wide_block_pairs): twice the multiply-adds an instruction of float32's, for a rounding of x finer
+   wide_block): twice the multiply-adds an instruction of float32's, for a rounding of x finer
    than int4's own activations' (8-bit codes per block of 128); the activations stay float32
    otherwise. Returns 0, -1 for a shape it does not take, -2 when out of memory. */
 int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
