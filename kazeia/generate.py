@@ -29,7 +29,8 @@ class StepCancelled(Exception):
 
 class Steps(abc.ABC):
     """Who runs one request's steps. `exclusive()` holds the model for the request's own work
-    between steps (its prompt, live text's embeddings) where others may be running it."""
+    between steps (its prompt, live text's embeddings) where others may be running it, on the
+    threads its prefill would take then (the prompt's text projection is on first audio's path)."""
 
     @abc.abstractmethod
     def prefill(
@@ -63,6 +64,9 @@ class CallerSteps(Steps):
 
     def decode(self, state: Decoding, text: torch.Tensor) -> torch.Tensor | None:
         return self.step.decode([state], [text], team=self.decode_team)[0]
+
+    def exclusive(self) -> contextlib.AbstractContextManager:
+        return cpu.team(*(self.team() or cpu.Team(None)))
 
 
 @torch.inference_mode()

@@ -33,7 +33,7 @@ from functools import partial
 
 import torch
 
-from . import generate
+from . import cpu, generate
 from .admission import Admission, SchedulerBusy, SchedulerClosed, Ticket
 from .frame import Decoding
 from .generate import StepCancelled
@@ -141,8 +141,7 @@ class Scheduler:
         `vocoder_lanes`: decodes of its streams at once (`VocoderLanes`); `spare_lanes`: decodes
         that may run, besides, on generation's own cores while it has nothing to run (0: none);
         `prompts_at_once`: how many prompts that wait at one frame boundary run side by side
-        (`_prefills_held`; 1: one after the other). None: the placement's default
-        (kazeia/placement.py)."""
+        (`_prefills_held`; 1: one after the other). None: kazeia/placement.py's default."""
         placement, step = runtime.placement, runtime.step
         self.admission = Admission(max_batch, max_queue, step.max_batch)
         self.lanes = VocoderLanes(placement.vocoder_lanes(vocoder_lanes), placement.spare_lanes(spare_lanes))
@@ -237,11 +236,12 @@ class Scheduler:
     def _exclusive(self) -> Iterator[None]:
         """The model for a stream's own work (its prompt, live text's embeddings): before the next
         step, or at the running step's next pause (`_let_prompts_in`), so that a joining stream's
-        prefill runs there rather than one step later."""
+        prefill runs there rather than one step later. On the team a lone prompt would take."""
         with self._lock:
             self._urgent += 1
+        team = self.runtime.placement.scheduled_prompt_team(self.lanes.decoding, 1, lambda: 1) or cpu.Team(None)
         try:
-            with self._model_lock:
+            with self._model_lock, cpu.team(*team):
                 yield
         finally:
             with self._lock:

@@ -11,7 +11,7 @@ from conftest import INT8
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kazeia import Engine, cpu, placement, streaming
+from kazeia import Engine, cpu, placement, streaming, utterance
 from kazeia.frame import FrameStep, go_on
 from kazeia.live import TextFeed
 from kazeia.prompt import build_prompt
@@ -406,6 +406,33 @@ def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoin
             else:
                 assert not holding, events
     assert {threads for name, threads in events[events.index(("decode", None)) :] if name == "step"} <= {1}
+
+
+def test_a_lone_prompt_is_built_on_the_prompt_team(tiny_checkpoints, monkeypatch, held_neighbours):
+    """A stream's prompt (its text projection: first audio's path) is built on the threads its
+    prefill takes: the prompt team when the stream is alone, its own stream's and a scheduler's
+    alike; generation's own threads while another process takes the CPUs. The audio is the same."""
+    engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
+    team = engine.runtime.placement.prompt_team
+    whole = 1 if team is None else team.threads  # no team on a one-core machine
+    own = engine.runtime.placement.threads
+    seen: list[int] = []
+
+    def building(*args):
+        seen.append(cpu.native_threads())
+        return build_prompt(*args)
+
+    monkeypatch.setattr(utterance, "build_prompt", building)
+    options = {"voice": "ryan", "seed": 3, "max_new_tokens": 6, "ignore_eos": True}
+    offline = engine.synthesize(TEXT, **options)
+    assert seen == [whole]
+    for neighbour in (False, True):
+        held_neighbours.held = neighbour
+        seen.clear()
+        _check_stream(engine.stream(TEXT, **options), offline)
+        with engine.scheduler(max_batch=2) as scheduler:
+            _check_stream(scheduler.stream(TEXT, **options), offline)
+        assert seen == [own if neighbour else whole] * 2
 
 
 def _two_streams(engine: Engine, options: dict) -> None:
