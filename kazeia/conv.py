@@ -34,15 +34,24 @@ from . import cpu
 from .products import address
 
 SNAKE_EPS = 1e-9
+# How `Tiled` packs a weight (kazeia/native/conv.c's `format`)
+FLOAT32, PAIRS_BF16, NARROW_BF16 = 0, 1, 2
 
 
 class Tiled(nn.Module):
     """A convolution's weight packed for conv.c's `vconv`, and its call.
 
     weight (N, taps, C_in) (output n, input row t + tap * d, channel c), bias (N,) or None; packed
-    once here. `half`: the weight's values are bfloat16 ones (a bfloat16 vocoder); where the build
-    has bfloat16 pair dot products (AVX512_BF16) they are packed so and the inputs rounded to
-    bfloat16 (`pairs`), else float32 as all others (a float16 vocoder's keep their rounding too).
+    once here, as float32 (a float16 vocoder's keep their rounding) unless:
+
+    * `half`: the weight's values are bfloat16 ones (a bfloat16 vocoder). Where the build has
+      bfloat16 pair dot products (AVX512_BF16) they are packed so and the inputs rounded to bfloat16
+      (PAIRS_BF16), else stored as bfloat16 and widened as read (NARROW_BF16: the bits of float32,
+      half the bytes).
+    * `narrow`: the weights rounded to bfloat16 and stored so, widened to float32 as read, on every
+      build (NARROW_BF16): the float32 product of the rounded weights, bit for bit, at half the
+      bytes. For products that read far more weights than they multiply (an int8 vocoder's).
+
     Every output value is one multiply-add chain over tap-major k, then + bias, then + res: the same
     bits whatever the positions, batch or threads of a call (kazeia/native/conv.c).
     """
@@ -54,14 +63,18 @@ class Tiled(nn.Module):
         bias: torch.Tensor | None,
         dilation: int = 1,
         half: bool = False,
+        narrow: bool = False,
     ):
         super().__init__()
         self.lib, self.dilation = lib, dilation
         self.n, self.taps, self.cin = weight.shape
-        self.pairs = int(half and bool(lib.vconv_pairs(self.cin)))
+        if half and not narrow and lib.vconv_pairs(self.cin):
+            self.format = PAIRS_BF16
+        else:
+            self.format = NARROW_BF16 if half or narrow else FLOAT32
         rows = weight.detach().float().reshape(self.n, self.taps * self.cin).contiguous()
-        packed = torch.empty(lib.vconv_packed_bytes(self.n, rows.shape[1], self.pairs), dtype=torch.uint8)
-        lib.vconv_pack(rows.data_ptr(), self.n, rows.shape[1], self.pairs, packed.data_ptr())
+        packed = torch.empty(lib.vconv_packed_bytes(self.n, rows.shape[1], self.format), dtype=torch.uint8)
+        lib.vconv_pack(rows.data_ptr(), self.n, rows.shape[1], self.format, packed.data_ptr())
         self.register_buffer("weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
 
@@ -77,7 +90,7 @@ class Tiled(nn.Module):
         res_strides = (0, 0) if res is None else (res.stride(0), res.stride(1))
         failed = self.lib.vconv(x.data_ptr(), x.stride(0), x.stride(1), self.weight.data_ptr(), address(self.bias),
                                 address(res), *res_strides, y.data_ptr(), y.stride(0), y.stride(1), B, L, self.cin,
-                                self.n, self.taps, self.dilation, self.pairs, cpu.stage_team())  # fmt: skip
+                                self.n, self.taps, self.dilation, self.format, cpu.stage_team())  # fmt: skip
         if failed == -2:
             raise MemoryError("vconv: out of memory")
         if failed:
@@ -132,12 +145,12 @@ class Tiled8(nn.Module):
 
 
 class TiledLinear(nn.Module):
-    """A Linear's product as a 1-tap `Tiled`: x (..., in) -> (..., out), float32."""
+    """A Linear's product as a 1-tap `Tiled` (`half`, `narrow`: see there): x (..., in) -> (..., out), float32."""
 
-    def __init__(self, lib: ctypes.CDLL, linear: nn.Linear, half: bool = False):
+    def __init__(self, lib: ctypes.CDLL, linear: nn.Linear, half: bool = False, narrow: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.tiled = Tiled(lib, linear.weight[:, None, :], linear.bias, half=half)
+        self.tiled = Tiled(lib, linear.weight[:, None, :], linear.bias, half=half, narrow=narrow)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tiled(x.reshape(1, -1, self.in_features)).view(*x.shape[:-1], self.out_features)

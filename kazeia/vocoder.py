@@ -224,7 +224,10 @@ class Vocoder(nn.Module):
         units' convolutions of the decoder blocks after the first (~65 % of a frame's multiply-adds)
         become `Tiled8` products; the earlier layers stay float32, as their errors grow the most on
         the way to the audio, but for the first block's residual units, which take bfloat16 pairs
-        where the build has them (docs/design.md). Needs the native library and a float32 `dtype`."""
+        where the build has them, and the transformer's and ConvNeXt's linears, which read ~180 MB
+        of weights for a chunk's few positions and keep them as bfloat16 (`Tiled`'s `narrow`:
+        float32 arithmetic on the rounded weights; docs/design.md). Needs the native library and a
+        float32 `dtype`."""
         lib = native.library() if torch.device(device).type == "cpu" else None
         if int8 and (lib is None or dtype != torch.float32):
             where = "a float32 dtype" if lib is not None else "the CPU with the native library (kazeia/native)"
@@ -244,16 +247,17 @@ class Vocoder(nn.Module):
         """Every product a `Tiled` one (conv.c), every other layer vocoder.c's or decode.c's, with
         float32 activations: the parameters are widened (a bfloat16 or float16 vocoder keeps its
         weights' values, rounded to that dtype; a bfloat16 one's products take bfloat16 pairs where
-        the CPU has them), each packed weight replaces the original (the pre-conv's stays: its
-        device and dtype stand for the vocoder's)."""
+        the CPU has them, else read its weights as bfloat16), each packed weight replaces the
+        original (the pre-conv's stays: its device and dtype stand for the vocoder's)."""
         half = dtype == torch.bfloat16
         integer = _unit_convs(self.decoder[2:-2]) if int8 else set()  # decoder blocks after the first
         # int8: the first block's units in bfloat16 pairs where the build has them (`Tiled`), else
         # float32 as they are
-        paired = _unit_convs(self.decoder[1:2]) if int8 else set()
+        paired = _unit_convs(self.decoder[1:2]) if int8 and lib.vconv_pairs(2) else set()
         self.float()
         fuse_projections(self.pre_transformer)
-        replace_linears(self, lambda linear: TiledLinear(lib, linear, half))
+        # int8: the transformer's and ConvNeXt's linears (all of them) store bfloat16 weights
+        replace_linears(self, lambda linear: TiledLinear(lib, linear, half, narrow=int8))
         for module in list(self.modules()):
             if isinstance(module, TimeMajorConv):
                 module.use_native(lib, half or id(module) in paired, module is self.pre_conv, id(module) in integer)

@@ -24,7 +24,7 @@ from kazeia import native
 from kazeia.audio import pcm16
 from kazeia.checkpoint import assign
 from kazeia.config import VocoderConfig
-from kazeia.conv import Tiled
+from kazeia.conv import FLOAT32, NARROW_BF16, PAIRS_BF16, Tiled
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
 from kazeia.vocoder import OFFLINE_BLOCK, Vocoder, VocoderState, vocoder_tensors
 from kazeia.voices import copy_state
@@ -141,36 +141,61 @@ def test_a_stream_decoded_in_a_batch_has_its_own_bits(vocoders, dtype):
 
 
 # -- the product kernel alone ------------------------------------------------------------------------
-def tiled(n: int, taps: int, cin: int, dilation: int, seed: int, half: bool) -> tuple[Tiled, torch.Tensor]:
-    """A random `Tiled` (its weight bfloat16 values where `half`) and its weight (n, taps, cin)."""
+WEIGHTS = ["float32", "bfloat16", "narrow"]  # as given; a bfloat16 vocoder's (`half`); rounded to bfloat16
+
+
+def tiled(n: int, taps: int, cin: int, dilation: int, seed: int, weights: str) -> tuple[Tiled, torch.Tensor]:
+    """A random `Tiled` of `weights` (WEIGHTS) and its weight (n, taps, cin) with the values the
+    product multiplies (bfloat16 ones but for float32)."""
     gen = torch.Generator().manual_seed(seed)
     weight, bias = torch.randn(n, taps, cin, generator=gen) / (taps * cin) ** 0.5, torch.randn(n, generator=gen)
-    if half:
-        weight = weight.bfloat16().float()
-    return Tiled(native.library(), weight, bias, dilation, half), weight
+    half, narrow = weights == "bfloat16", weights == "narrow"
+    product = Tiled(native.library(), weight.bfloat16().float() if half else weight, bias, dilation, half, narrow)
+    return product, weight if weights == "float32" else weight.bfloat16().float()
 
 
-@pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("n", [1, 3, 5, 16, 24, 40, 72, 96, 100, 200])
-def test_every_panel_shape_is_conv1d(n, half):
+def test_every_panel_shape_is_conv1d(n, weights):
     """Any number of output channels (every panel width and remainder, and the dot products of
     very few channels), batch, dilation and residual: PyTorch's conv1d within float rounding (of
     the inputs rounded to bfloat16 where the product takes bfloat16 pairs)."""
-    product, weight = tiled(n, 3, 20, 2, seed=n, half=half)
+    product, weight = tiled(n, 3, 20, 2, seed=n, weights=weights)
     gen = torch.Generator().manual_seed(1)
     x, res = torch.randn(2, 4 + 37, 20, generator=gen), torch.randn(2, 37, n, generator=gen)
-    seen = x.bfloat16().float() if product.pairs and n * 4 > native.library().vconv_lanes() else x
+    pairs = product.format == PAIRS_BF16 and n * 4 > native.library().vconv_lanes()
+    seen = x.bfloat16().float() if pairs else x
     expected = F.conv1d(seen.transpose(1, 2), weight.transpose(1, 2), product.bias, dilation=2).transpose(1, 2) + res
     torch.testing.assert_close(product(x, res), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("half", [False, True], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("n, taps, cin", [(1, 3, 20), (5, 2, 33), (40, 3, 20), (200, 1, 72), (768, 2, 384)])
+def test_narrow_weights_give_the_bits_of_float32_products_of_their_rounding(n, taps, cin):
+    """Weights stored as bfloat16 and widened as read (`narrow`, and a bfloat16 vocoder's where
+    the build has no bfloat16 pairs) multiply in float32 in the same order: the bits of the float32
+    product of the weights rounded to bfloat16, with bias and residual, at every panel shape (and
+    for the dot products of very few channels)."""
+    lib = native.library()
+    product, rounded = tiled(n, taps, cin, 3, seed=n, weights="narrow")
+    wide = Tiled(lib, rounded, product.bias, 3)
+    assert product.format == NARROW_BF16
+    if n * 4 > lib.vconv_lanes():  # the panels hold half the bytes (a dot-product layer keeps float32 rows)
+        assert product.weight.numel() * 2 == wide.weight.numel()
+    gen = torch.Generator().manual_seed(2)
+    x, res = torch.randn(2, (taps - 1) * 3 + 29, cin, generator=gen), torch.randn(2, 29, n, generator=gen)
+    assert torch.equal(product(x, res), wide(x, res))
+    if not lib.vconv_pairs(cin):  # a bfloat16 vocoder's product: narrow too, so the same bits
+        half, _ = tiled(n, taps, cin, 3, seed=n, weights="bfloat16")
+        assert half.format == NARROW_BF16 and torch.equal(half(x, res), wide(x, res))
+
+
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize("n, taps, cin, dilation", [(96, 7, 96, 9), (1, 7, 96, 1), (768, 2, 384, 1), (500, 1, 72, 1)])
-def test_a_position_does_not_depend_on_the_call(n, taps, cin, dilation, half):
+def test_a_position_does_not_depend_on_the_call(n, taps, cin, dilation, weights):
     """A position's outputs are the same bits computed in any window of positions, in a batch with
     other rows, at any thread count (the work is split over threads from ~1 M multiply-adds or 256
     KiB of weights each: a single position of the 2.4 MB (768, 2, 384) is split by its panels)."""
-    product, _ = tiled(n, taps, cin, dilation, seed=7, half=half)
+    product, _ = tiled(n, taps, cin, dilation, seed=7, weights=weights)
     keep, length = (taps - 1) * dilation, 700
     x = torch.randn(3, keep + length, cin, generator=torch.Generator().manual_seed(8))
     before = torch.get_num_threads()
@@ -187,9 +212,10 @@ def test_a_position_does_not_depend_on_the_call(n, taps, cin, dilation, half):
 
 
 def test_a_bfloat16_vocoder_takes_bfloat16_pairs_where_the_cpu_has_them(vocoders):
+    """... and else stores its weights as bfloat16 (the bits of float32 products, half the bytes)."""
     lib = native.library()
     has_pairs = bool(lib.vconv_pairs(2))  # the build has AVX512_BF16 (KAZEIA_ISA with bf16)
     products = [m for m in vocoders[torch.bfloat16].modules() if isinstance(m, Tiled)]
-    assert all(p.pairs == (has_pairs and p.cin % 2 == 0) for p in products)
+    assert all(p.format == (PAIRS_BF16 if has_pairs and p.cin % 2 == 0 else NARROW_BF16) for p in products)
     others = [m for dtype in (torch.float32, torch.float16) for m in vocoders[dtype].modules() if isinstance(m, Tiled)]
-    assert not any(p.pairs for p in others)
+    assert all(p.format == FLOAT32 for p in others)

@@ -20,7 +20,7 @@ import torch
 from kazeia import Engine, native
 from kazeia.checkpoint import assign
 from kazeia.config import VocoderConfig
-from kazeia.conv import Tiled8
+from kazeia.conv import FLOAT32, NARROW_BF16, PAIRS_BF16, Tiled, Tiled8, TiledLinear
 from kazeia.testing.vocoder import random_vocoder_tensors, tiny_speech_tokenizer_config
 from kazeia.vocoder import Vocoder, vocoder_tensors
 
@@ -154,6 +154,25 @@ def test_int8_vocoder_stays_close_to_float32(pair):
     assert not torch.equal(got, want)  # the integer products are in use
     snr = 10 * torch.log10(want.pow(2).mean() / (got - want).pow(2).mean())
     assert snr >= SNR_FLOOR_DB, float(snr)
+
+
+def test_int8_vocoder_layers(pair):
+    """The layer plan (kazeia/vocoder.py's `prepare`): int8 products for the residual units of the
+    blocks after the first; bfloat16 pairs for the first block's where the build has them (else
+    float32); bfloat16 weights for the transformer's and ConvNeXt's linears; float32 elsewhere, as
+    in the float32 vocoder."""
+    float32, int8 = pair
+    assert all(m.format == FLOAT32 for m in float32.modules() if isinstance(m, Tiled))
+    first, later = int8.decoder[1], int8.decoder[2:-2]
+    units = [m for m in later.modules() if hasattr(m, "native") and isinstance(m.native, Tiled8)]
+    assert len(units) == 6 * len(later)  # two convolutions in each of three units a block
+    linears = [m.tiled for m in int8.modules() if isinstance(m, TiledLinear)]
+    assert len(linears) > 0 and all(t.format == NARROW_BF16 for t in linears)
+    pairs = PAIRS_BF16 if native.library().vconv_pairs(2) else FLOAT32
+    unit_convs = [u.native for u in first.block[2:] for u in (u.conv1, u.conv2)]
+    assert all(t.format == pairs for t in unit_convs)
+    others = [m for m in int8.modules() if isinstance(m, Tiled) and not any(m is t for t in linears + unit_convs)]
+    assert len(others) > 0 and all(t.format == FLOAT32 for t in others)
 
 
 def test_engine_takes_the_int8_vocoder(tiny_checkpoints, engines):

@@ -26,7 +26,12 @@
    Pairs (a bfloat16 vocoder, where the build has AVX512_BF16): the weights are packed as bfloat16
    pairs of consecutive k, the inputs rounded to bfloat16 (to nearest even) as a block of positions
    is read, and each accumulator takes one bfloat16 pair dot product per two k, in k order (the
-   instruction's own rounding, the same for every value): twice the products per instruction. */
+   instruction's own rounding, the same for every value): twice the products per instruction.
+
+   Narrow weights (a product that reads far more weights than it multiplies, on every build): the
+   weights rounded to bfloat16 and stored so, in the float32 layout, each widened to float32 as it
+   is loaded; the inputs and every sum stay float32. The result is, bit for bit, that of the float32
+   product of the rounded weights, at half the bytes read. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,6 +50,9 @@
 #define PAIRS 0
 #endif
 
+/* How a layer's weights are packed (`vconv_pack`'s and `vconv`'s `format`). */
+enum { FLOAT32 = 0, PAIRS_BF16 = 1, NARROW_BF16 = 2 };
+
 #if defined(__AVX512F__)
 typedef __m512 vec;
 enum { LANES = 16, NV_MAX = 4 };
@@ -55,6 +63,9 @@ static inline vec vmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); 
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vload_n(const float *p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+static inline vec vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 static inline void vstore_n(float *p, vec v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 /* Positions per register tile for NV vectors of channels: 24 accumulators of 32 registers. */
 static const int MR_FOR[NV_MAX + 1] = {0, 16, 12, 8, 6};
@@ -64,6 +75,9 @@ enum { LANES = 8, NV_MAX = 2 };
 static inline vec vzero(void) { return _mm256_setzero_ps(); }
 static inline vec vload(const float *p) { return _mm256_loadu_ps(p); }
 static inline vec vbcast(const float *p) { return _mm256_broadcast_ss(p); }
+static inline vec vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 static inline vec vmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
@@ -91,6 +105,9 @@ static inline vec vload(const float *p) {
     return v;
 }
 static inline vec vbcast(const float *p) { return (vec){*p, *p, *p, *p}; }
+static inline vec vload_bf16(const uint16_t *p) {
+    return (vec){from_bf16(p[0]), from_bf16(p[1]), from_bf16(p[2]), from_bf16(p[3])};
+}
 static inline vec vmadd(vec a, vec b, vec c) { return a * b + c; } /* rounded product, then the sum */
 static inline vec vadd(vec a, vec b) { return a + b; }
 static inline void vstore(float *p, vec v) { memcpy(p, &v, sizeof v); }
@@ -138,20 +155,21 @@ static int uses_dot(long n) { return n * 4 <= LANES; }
 int vconv_pairs(long cin) { return PAIRS && cin % 2 == 0; }
 
 /* Bytes of the packed weight of a layer with n outputs and k = taps * cin inputs per output. */
-long vconv_packed_bytes(long n, long k, int pairs) {
+long vconv_packed_bytes(long n, long k, int format) {
     if (uses_dot(n)) return (long)sizeof(float) * n * k;
-    return (n + LANES - 1) / LANES * LANES * k * (pairs ? 2 : (long)sizeof(float));
+    return (n + LANES - 1) / LANES * LANES * k * (format == FLOAT32 ? (long)sizeof(float) : 2);
 }
 
 /* Which build: the vector width in floats (for tests and logs). */
 int vconv_lanes(void) { return LANES; }
 
-/* w: (n, k) float32 rows, output channel-major (k = tap * cin + channel); packed: the panels, of
-   float32, or of bfloat16 pairs (rounded to nearest even) where `pairs` (`vconv_pairs`); a layer that
-   `uses_dot` keeps float32 rows. */
-void vconv_pack(const float *w, long n, long k, int pairs, void *packed) {
+/* w: (n, k) float32 rows, output channel-major (k = tap * cin + channel); packed by `format`: the
+   panels of float32 (FLOAT32), of bfloat16 pairs (PAIRS_BF16, where `vconv_pairs`) or of bfloat16 in
+   the float32 layout (NARROW_BF16), rounded to nearest even; a layer that `uses_dot` keeps float32
+   rows (rounded to bfloat16 values but for FLOAT32). */
+void vconv_pack(const float *w, long n, long k, int format, void *packed) {
     if (uses_dot(n)) {
-        memcpy(packed, w, sizeof(float) * (size_t)(n * k));
+        for (long i = 0; i < n * k; i++) ((float *)packed)[i] = format == FLOAT32 ? w[i] : from_bf16(to_bf16(w[i]));
         return;
     }
     for (int p = 0; p < panel_count(n); p++) {
@@ -159,8 +177,10 @@ void vconv_pack(const float *w, long n, long k, int pairs, void *packed) {
         for (long kk = 0; kk < k; kk++)
             for (long j = 0; j < width; j++) {
                 const float v = n0 + j < n ? w[(n0 + j) * k + kk] : 0.0f;
-                if (pairs) /* pair kk / 2 of column j: ((kk / 2) * width + j) * 2 + kk % 2 */
+                if (format == PAIRS_BF16) /* pair kk / 2 of column j: ((kk / 2) * width + j) * 2 + kk % 2 */
                     ((uint16_t *)packed)[n0 * k + ((kk / 2) * width + j) * 2 + kk % 2] = to_bf16(v);
+                else if (format == NARROW_BF16)
+                    ((uint16_t *)packed)[n0 * k + kk * width + j] = to_bf16(v);
                 else
                     ((float *)packed)[n0 * k + kk * width + j] = v;
             }
@@ -174,7 +194,7 @@ struct tile {
     const uint16_t *halves[MR_MAX]; /* the same rows rounded to bfloat16 (pairs) */
     float *out[MR_MAX];            /* its output row (channels n0...) */
     const float *res[MR_MAX];      /* its residual row, or NULL */
-    const void *w;                 /* the panel's weights at k0: (k, NV * LANES) or pairs (k / 2, NV * LANES, 2) */
+    const void *w;                 /* the panel's weights at k0: (k, NV * LANES), or pairs (k / 2, NV * LANES, 2) */
     const float *bias;             /* at n0, or NULL */
     long k0, k1, cin, step;        /* k range of this block; input channels; values between taps */
     int valid_rows, width;         /* positions to store; output channels of the panel to store */
@@ -213,13 +233,16 @@ static inline __attribute__((always_inline)) void tile_finish(const struct tile 
         }
 }
 
-/* acc (MR x NV vectors) over k0..k1, in order, one multiply-add per k: the body of every tile shape.
-   Each tap's run of k works on a copy of the accumulators (`a`): with the array itself GCC 12 stored
-   every accumulator back to the stack at every k in the AVX2 build (measured: a third of the speed). */
-static inline __attribute__((always_inline)) void tile_run(const struct tile *t, const int MR, const int NV) {
+/* acc (MR x NV vectors) over k0..k1, in order, one multiply-add per k: the body of every tile shape,
+   its weights float32 or, where `NARROW`, bfloat16 widened as loaded. Each tap's run of k works on a
+   copy of the accumulators (`a`): with the array itself GCC 12 stored every accumulator back to the
+   stack at every k in the AVX2 build (measured: a third of the speed). */
+static inline __attribute__((always_inline)) void tile_run(const struct tile *t, const int MR, const int NV,
+                                                           const int NARROW) {
     vec acc[MR_MAX][NV_MAX];
     TILE_START(t, acc, MR, NV)
     const float *w = t->w;
+    const uint16_t *h = t->w; /* the same, NARROW */
     for (long k = t->k0; k < t->k1;) {
         const long tap = k / t->cin, c = k - tap * t->cin;
         const long end = (tap + 1) * t->cin < t->k1 ? (tap + 1) * t->cin : t->k1;
@@ -229,9 +252,9 @@ static inline __attribute__((always_inline)) void tile_run(const struct tile *t,
         vec a[MR_MAX][NV_MAX];
         for (int r = 0; r < MR; r++)
             for (int v = 0; v < NV; v++) a[r][v] = acc[r][v];
-        for (long i = 0; i < count; i++, w += NV * LANES) {
+        for (long i = 0; i < count; i++, w += NV * LANES, h += NV * LANES) {
             vec wv[NV_MAX];
-            for (int v = 0; v < NV; v++) wv[v] = vload(w + v * LANES);
+            for (int v = 0; v < NV; v++) wv[v] = NARROW ? vload_bf16(h + v * LANES) : vload(w + v * LANES);
             for (int r = 0; r < MR; r++) {
                 const vec xv = vbcast(xr[r] + i);
                 for (int v = 0; v < NV; v++) a[r][v] = vmadd(xv, wv[v], a[r][v]);
@@ -272,17 +295,19 @@ static inline __attribute__((always_inline)) void tile_run_pairs(const struct ti
 }
 #endif
 
+#define FLOAT_TILES(mr, nv)                                                             \
+    static void tile_##mr##_##nv(const struct tile *t) { tile_run(t, mr, nv, 0); }        \
+    static void narrow_##mr##_##nv(const struct tile *t) { tile_run(t, mr, nv, 1); }
 #if PAIRS
-#define TILE(mr, nv)                                                                 \
-    static void tile_##mr##_##nv(const struct tile *t) { tile_run(t, mr, nv); }       \
-    static void pairs_##mr##_##nv(const struct tile *t) { tile_run_pairs(t, mr, nv); }
+#define TILE(mr, nv) \
+    FLOAT_TILES(mr, nv) static void pairs_##mr##_##nv(const struct tile *t) { tile_run_pairs(t, mr, nv); }
 #define PAIRS_ROW(nv, most) {pairs_1_##nv, pairs_2_##nv, pairs_4_##nv, pairs_##most##_##nv}
 #else
-#define TILE(mr, nv) \
-    static void tile_##mr##_##nv(const struct tile *t) { tile_run(t, mr, nv); }
+#define TILE(mr, nv) FLOAT_TILES(mr, nv)
 #endif
 #define SHAPES(nv, most) TILE(1, nv) TILE(2, nv) TILE(4, nv) TILE(most, nv)
 #define ROW(nv, most) {tile_1_##nv, tile_2_##nv, tile_4_##nv, tile_##most##_##nv}
+#define NARROW_ROW(nv, most) {narrow_1_##nv, narrow_2_##nv, narrow_4_##nv, narrow_##most##_##nv}
 /* Per NV: tiles of 1, 2, 4 and MR_FOR[NV] positions (a block's last positions, and calls of few
    rows, take the smallest that holds them: the same sums, less work on spare rows). */
 static const int TILE_ROWS[4] = {1, 2, 4, 0};
@@ -292,6 +317,8 @@ SHAPES(2, 12)
 SHAPES(3, 8)
 SHAPES(4, 6)
 static void (*const TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, ROW(1, 16), ROW(2, 12), ROW(3, 8), ROW(4, 6)};
+static void (*const NARROW_TILES[NV_MAX + 1][4])(const struct tile *) = {
+    {0}, NARROW_ROW(1, 16), NARROW_ROW(2, 12), NARROW_ROW(3, 8), NARROW_ROW(4, 6)};
 #if PAIRS
 static void (*const PAIR_TILES[NV_MAX + 1][4])(const struct tile *) = {
     {0}, PAIRS_ROW(1, 16), PAIRS_ROW(2, 12), PAIRS_ROW(3, 8), PAIRS_ROW(4, 6)};
@@ -300,10 +327,12 @@ static void (*const PAIR_TILES[NV_MAX + 1][4])(const struct tile *) = {
 SHAPES(1, 12)
 SHAPES(2, 6)
 static void (*const TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, ROW(1, 12), ROW(2, 6)};
+static void (*const NARROW_TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, NARROW_ROW(1, 12), NARROW_ROW(2, 6)};
 #else
 SHAPES(1, 8)
 SHAPES(2, 6)
 static void (*const TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, ROW(1, 8), ROW(2, 6)};
+static void (*const NARROW_TILES[NV_MAX + 1][4])(const struct tile *) = {{0}, NARROW_ROW(1, 8), NARROW_ROW(2, 6)};
 #endif
 
 /* The tile of the fewest positions, at least `rows` of them (up to MR_FOR[nv]). */
@@ -323,7 +352,7 @@ struct conv_args {
     long batch, length, cin, n, k;                      /* k = taps * cin */
     long step;                                          /* dilation * ldx */
     long keep;                                          /* (taps - 1) * dilation */
-    int pairs;                                          /* bfloat16 pairs (`vconv_pairs`) */
+    int format;                                         /* of the packed weights (`vconv_pack`) */
 };
 
 struct conv_job {
@@ -334,22 +363,23 @@ struct conv_job {
     int failed;         /* out of memory */
 };
 
-/* Positions t0..t1 of batch entry b, panel p. halves: with pairs, the input rows t0 .. t1 + keep
+/* Positions t0..t1 of batch entry b, panel p. halves: with PAIRS_BF16, the input rows t0 .. t1 + keep
    of the block rounded to bfloat16, cin values each. */
 static void run_block(const struct conv_args *a, long b, long t0, long t1, int p, const uint16_t *halves) {
     const int nv = panel_vectors(a->n, p), mr = MR_FOR[nv];
     const long n0 = panel_first(a->n, p) * LANES, stride = (long)nv * LANES;
     const int width = (int)(a->n - n0 < stride ? a->n - n0 : stride);
-    long kc = K_BLOCK_BYTES / (long)((a->pairs ? 2 : sizeof(float)) * stride);
+    const int pairs = a->format == PAIRS_BF16;
+    long kc = K_BLOCK_BYTES / (long)((a->format == FLOAT32 ? sizeof(float) : 2) * stride);
     kc = kc < 2 ? 2 : kc - kc % 2; /* pairs never straddle two blocks */
     struct tile t;
-    t.cin = a->cin, t.step = a->pairs ? a->step / a->ldx * a->cin : a->step, t.width = width;
+    t.cin = a->cin, t.step = pairs ? a->step / a->ldx * a->cin : a->step, t.width = width;
     t.bias = a->bias ? a->bias + n0 : NULL;
     for (long k0 = 0; k0 < a->k; k0 += kc) {
         t.k0 = k0, t.k1 = k0 + kc < a->k ? k0 + kc : a->k;
         t.first = k0 == 0, t.last = t.k1 == a->k;
-        t.w = a->pairs ? (const void *)((const uint16_t *)a->w + n0 * a->k + k0 * stride)
-                       : (const void *)((const float *)a->w + n0 * a->k + k0 * stride);
+        t.w = a->format == FLOAT32 ? (const void *)((const float *)a->w + n0 * a->k + k0 * stride)
+                                   : (const void *)((const uint16_t *)a->w + n0 * a->k + k0 * stride);
         for (long m = t0; m < t1;) {
             const int shape = tile_shape(nv, t1 - m), rows = shape < 3 ? TILE_ROWS[shape] : mr;
             t.valid_rows = (int)(t1 - m < rows ? t1 - m : rows);
@@ -361,11 +391,11 @@ static void run_block(const struct conv_args *a, long b, long t0, long t1, int p
                 t.res[r] = a->res ? a->res + b * a->res_batch + pos * a->ldres + n0 : NULL;
             }
 #if PAIRS
-            if (a->pairs)
+            if (pairs)
                 PAIR_TILES[nv][shape](&t);
             else
 #endif
-                TILES[nv][shape](&t);
+                (a->format == NARROW_BF16 ? NARROW_TILES : TILES)[nv][shape](&t);
             m += t.valid_rows;
         }
     }
@@ -425,7 +455,7 @@ static void *conv_job_run(void *arg) {
     const struct conv_args *a = j->a;
     const long per_batch = (a->length + j->rows_per_unit - 1) / j->rows_per_unit;
     uint16_t *halves = NULL;
-    if (a->pairs && !uses_dot(a->n)) {
+    if (a->format == PAIRS_BF16 && !uses_dot(a->n)) {
         halves = malloc(sizeof(uint16_t) * (size_t)((j->rows_per_unit + a->keep) * a->cin));
         if (!halves) {
             j->failed = 1;
@@ -456,27 +486,27 @@ static void *conv_job_run(void *arg) {
 enum { MIN_MACS_PER_THREAD = 1 << 20, MIN_WEIGHT_BYTES_PER_THREAD = 1 << 18 };
 
 /* y (batch blocks of `length` rows) := the convolution of x (batch blocks of rows, each block
-   beginning with the (taps - 1) * dilation carried rows) with the packed weight w (of `pairs`, as
+   beginning with the (taps - 1) * dilation carried rows) with the packed weight w (of `format`, as
    packed), + bias (n floats or NULL), + res (rows like y, or NULL). Strides in floats; rows hold
    cin (x) or n (y, res) contiguous values. The work is split over up to `threads` threads (this
    one included); every value is the same whatever the split. Returns 0, -1 for arguments it cannot
    take, -2 when out of memory. */
 int vconv(const float *x, long x_batch, long ldx, const void *w, const float *bias, const float *res, long res_batch,
           long ldres, float *y, long y_batch, long ldy, long batch, long length, long cin, long n, int taps,
-          int dilation, int pairs, int threads) {
+          int dilation, int format, int threads) {
     if (batch < 0 || length < 0 || cin < 1 || n < 1 || taps < 1 || dilation < 1) return -1;
-    if (pairs && !vconv_pairs(cin)) return -1;
+    if (format < FLOAT32 || format > NARROW_BF16 || (format == PAIRS_BF16 && !vconv_pairs(cin))) return -1;
     if (batch == 0 || length == 0) return 0;
     struct conv_args a = {x,      bias,  res,    w,    y,     x_batch,  ldx,        res_batch,
                           ldres,  y_batch, ldy,  batch, length, cin,    n,          (long)taps * cin,
-                          (long)dilation * ldx, (long)(taps - 1) * dilation, pairs};
+                          (long)dilation * ldx, (long)(taps - 1) * dilation, format};
     long rows = M_BLOCK_BYTES / (long)(sizeof(float) * cin);
     rows = rows < 16 ? 16 : rows;
     rows = (rows + 47) / 48 * 48; /* whole tiles of every shape */
     long units = batch * ((length + rows - 1) / rows);
     const int panels = uses_dot(n) ? 1 : panel_count(n);
     const double macs = (double)batch * length * n * a.k;
-    long most = (long)(macs / MIN_MACS_PER_THREAD) + vconv_packed_bytes(n, a.k, pairs) / MIN_WEIGHT_BYTES_PER_THREAD;
+    long most = (long)(macs / MIN_MACS_PER_THREAD) + vconv_packed_bytes(n, a.k, format) / MIN_WEIGHT_BYTES_PER_THREAD;
     threads = job_count(threads, most, MAX_JOBS);
     struct conv_job jobs[MAX_JOBS];
     const int by_panels = units < threads && panels >= threads;
