@@ -107,8 +107,10 @@ def main() -> None:
 
     path = real_checkpoint("0.6B", "custom_voice", tiny=True) / "speech_tokenizer" if args.tiny else speech_tokenizer()
     vocoders = {("this" if len(dtypes) == 1 else d): load(Vocoder, path, d) for d in dtypes}
+    teams = dict.fromkeys(vocoders, cpu.team)  # each checkout's own (--team)
     if args.baseline:
         vocoders["baseline"] = load(baseline_vocoder(args.baseline.resolve()), path, dtypes[0])
+        teams["baseline"] = importlib.import_module("kazeia_baseline.cpu").team
     codes = torch.randint(0, 2048, (args.frames, 16), generator=torch.Generator().manual_seed(1))
     print(json.dumps({**machine(), "isa": cpu.describe(), "dtypes": dtypes, "frames": args.frames}))
 
@@ -121,7 +123,7 @@ def main() -> None:
             for chunk in chunks:
                 order = names if round_ % 2 == 0 else names[::-1]
                 for name in order:
-                    with cpu.team(n_threads if args.team else None, openmp=False):
+                    with teams[name](n_threads if args.team else None, openmp=False):
                         seconds, out = decode(vocoders[name], codes, chunk)
                     times.setdefault((name, n_threads, chunk), []).append(1000 * seconds / args.frames)
                     audio.setdefault((name, n_threads, chunk), out)
