@@ -247,6 +247,11 @@ def stage_team() -> int:
     return _count(getattr(_local, "threads", None)) or torch.get_num_threads()
 
 
+def on(t: Team | None) -> contextlib.AbstractContextManager[None]:
+    """`team` for a `Team`: the block on its threads; None: as they are."""
+    return contextlib.nullcontext() if t is None else team(*t)
+
+
 @contextlib.contextmanager
 def team(threads: int | Callable[[], int | None] | None, openmp: bool = True) -> Iterator[None]:
     """Run the block's parallel work on `threads` threads, in the calling thread only: Kazeia's

@@ -142,7 +142,7 @@ class FrameStep:
             length,
         )
         voiced = prompt.voiced if 0 < prompt.voiced < length else 0
-        with cpu.team(*(team or cpu.Team(None))):
+        with cpu.on(team):
             if voiced:
                 self._voice_positions(prompt.embeds[:, :voiced], state.cache.layers)
             hidden = talker(prompt.embeds[:, voiced:], state.cache.layers, voiced, last=True)  # (1, 1, H)
@@ -160,7 +160,7 @@ class FrameStep:
         texts[b] (1, 1, H), its text-track vector -> its codes (1, 16), or None at its EOS or token
         limit. `pause()`: called between the step's stages (module docstring). `team`: the step's
         threads (`cpu.team`; None: as they are); the codes do not depend on them."""
-        with cpu.team(*(team or cpu.Team(None))):
+        with cpu.on(team):
             return self._decode(states, texts, pause)
 
     def _decode(

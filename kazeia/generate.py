@@ -66,7 +66,7 @@ class CallerSteps(Steps):
         return self.step.decode([state], [text], team=self.decode_team)[0]
 
     def exclusive(self) -> contextlib.AbstractContextManager:
-        return cpu.team(*(self.team() or cpu.Team(None)))
+        return cpu.on(self.team())
 
 
 @torch.inference_mode()

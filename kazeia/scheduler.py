@@ -239,9 +239,9 @@ class Scheduler:
         prefill runs there rather than one step later. On the team a lone prompt would take."""
         with self._lock:
             self._urgent += 1
-        team = self.runtime.placement.scheduled_prompt_team(self.lanes.decoding, 1, lambda: 1) or cpu.Team(None)
+        team = self.runtime.placement.scheduled_prompt_team(self.lanes.decoding, 1, lambda: 1)
         try:
-            with self._model_lock, cpu.team(*team):
+            with self._model_lock, cpu.on(team):
                 yield
         finally:
             with self._lock:

@@ -199,6 +199,20 @@ def test_a_team_given_as_a_callable_is_asked_at_each_product():
     assert seen == {"other": 1} and cpu.native_threads() == 1
 
 
+def test_on_enters_a_team_or_nothing():
+    """`cpu.on(Team)` is `cpu.team(*Team)`; `cpu.on(None)` leaves the threads as they are, inside
+    another team too."""
+    with cpu.on(cpu.Team(3, openmp=False)):
+        assert cpu.native_threads() == 3
+        with cpu.on(None):
+            assert cpu.native_threads() == 3
+        with cpu.on(cpu.Team(lambda: 2, openmp=False)):
+            assert cpu.native_threads() == 2
+        assert cpu.native_threads() == 3
+    with cpu.on(None):
+        assert cpu.native_threads() == 1
+
+
 def test_the_vocoders_threads_are_the_stages_outside_a_team():
     """`stage_team` (the vocoder's kernels) is torch's count outside any team, the team's inside one
     (a callable's answer, torch's where it answers None), and torch's again after the team, nested

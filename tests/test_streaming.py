@@ -365,7 +365,7 @@ def test_frame_steps_take_the_team_only_where_no_decode_can_start(tiny_checkpoin
         return decode_chunk(self, codes, state, pause)
 
     def stepping(self, states, texts, pause=go_on, team=None):
-        with cpu.team(*(team or cpu.Team(None))):
+        with cpu.on(team):
             threads = cpu.native_threads()
         events.append(("step", threads))
         try:
