@@ -154,10 +154,13 @@ static int uses_dot(long n) { return n * 4 <= LANES; }
    straddles two taps). */
 int vconv_pairs(long cin) { return PAIRS && cin % 2 == 0; }
 
+/* Bytes of one packed weight value of a panel in `format`. */
+static long value_bytes(int format) { return format == FLOAT32 ? (long)sizeof(float) : (long)sizeof(uint16_t); }
+
 /* Bytes of the packed weight of a layer with n outputs and k = taps * cin inputs per output. */
 long vconv_packed_bytes(long n, long k, int format) {
     if (uses_dot(n)) return (long)sizeof(float) * n * k;
-    return (n + LANES - 1) / LANES * LANES * k * (format == FLOAT32 ? (long)sizeof(float) : 2);
+    return (n + LANES - 1) / LANES * LANES * k * value_bytes(format);
 }
 
 /* Which build: the vector width in floats (for tests and logs). */
@@ -370,7 +373,7 @@ static void run_block(const struct conv_args *a, long b, long t0, long t1, int p
     const long n0 = panel_first(a->n, p) * LANES, stride = (long)nv * LANES;
     const int width = (int)(a->n - n0 < stride ? a->n - n0 : stride);
     const int pairs = a->format == PAIRS_BF16;
-    long kc = K_BLOCK_BYTES / (long)((a->format == FLOAT32 ? sizeof(float) : 2) * stride);
+    long kc = K_BLOCK_BYTES / (value_bytes(a->format) * stride);
     kc = kc < 2 ? 2 : kc - kc % 2; /* pairs never straddle two blocks */
     struct tile t;
     t.cin = a->cin, t.step = pairs ? a->step / a->ldx * a->cin : a->step, t.width = width;
@@ -378,8 +381,7 @@ static void run_block(const struct conv_args *a, long b, long t0, long t1, int p
     for (long k0 = 0; k0 < a->k; k0 += kc) {
         t.k0 = k0, t.k1 = k0 + kc < a->k ? k0 + kc : a->k;
         t.first = k0 == 0, t.last = t.k1 == a->k;
-        t.w = a->format == FLOAT32 ? (const void *)((const float *)a->w + n0 * a->k + k0 * stride)
-                                   : (const void *)((const uint16_t *)a->w + n0 * a->k + k0 * stride);
+        t.w = (const char *)a->w + (n0 * a->k + k0 * stride) * value_bytes(a->format);
         for (long m = t0; m < t1;) {
             const int shape = tile_shape(nv, t1 - m), rows = shape < 3 ? TILE_ROWS[shape] : mr;
             t.valid_rows = (int)(t1 - m < rows ? t1 - m : rows);
