@@ -67,7 +67,9 @@ RUNS = {  # name -> (script, arguments, environment)
     **{script: (script, args, {}) for script, args in SMOKE.items()},
     "portable streaming": ("streaming.py", SMOKE["streaming.py"], PORTABLE),
     "failing gemv": ("gemv.py", ["--tiny", "--dtypes", "int8,int3,float32"], {}),
-}
+    "batched vocoder": ("vocoder.py", ["--tiny", "--frames", "4", "--rounds", "1", "--chunks", "1,3", "--threads", "1",
+                                       "--dtypes", "int8", "--streams", "2"], {}),
+}  # fmt: skip
 WARM = """
 import argparse, sys
 sys.path.insert(0, sys.argv[1])
@@ -202,6 +204,14 @@ def test_vocoder(runs):
     assert all(len(numbers(row)) >= 4 for row in rows), out  # ms/f per dtype (and ratios with several)
     for dtype in ("float32", "int8"):
         assert f"{dtype}: the same bits at every chunk size and thread count: True" in out, out
+
+
+def test_vocoder_streams_alone_and_batched(runs):
+    out = ran(runs["batched vocoder"].result())
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["1"]]
+    assert [row[:2] for row in rows] == [["1", "1"], ["1", "3"]], out
+    assert all(len(numbers(row)) == 7 for row in rows), out  # ms/f alone and batched, and their ratio
+    assert "this: the same bits at every chunk size and thread count, batched or not: True" in out, out
 
 
 def test_conv8(runs):
