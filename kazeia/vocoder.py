@@ -251,8 +251,8 @@ class Vocoder(nn.Module):
         original (the pre-conv's stays: its device and dtype stand for the vocoder's)."""
         half = dtype == torch.bfloat16
         integer = _unit_convs(self.decoder[2:-2]) if int8 else set()  # decoder blocks after the first
-        # int8: the first block's units in bfloat16 pairs where the build has them (`Tiled`), else
-        # float32 as they are
+        # int8: the first block's units in bfloat16 pairs where the build has them (`Tiled`; any even
+        # width takes pairs there, so `vconv_pairs(2)` asks the build), else float32 as they are
         paired = _unit_convs(self.decoder[1:2]) if int8 and lib.vconv_pairs(2) else set()
         self.float()
         fuse_projections(self.pre_transformer)

@@ -169,7 +169,7 @@ def test_int8_vocoder_layers(pair):
     linears = [m.tiled for m in int8.modules() if isinstance(m, TiledLinear)]
     assert len(linears) > 0 and all(t.format == NARROW_BF16 for t in linears)
     pairs = PAIRS_BF16 if native.library().vconv_pairs(2) else FLOAT32
-    unit_convs = [u.native for u in first.block[2:] for u in (u.conv1, u.conv2)]
+    unit_convs = [conv.native for unit in first.block[2:] for conv in (unit.conv1, unit.conv2)]
     assert all(t.format == pairs for t in unit_convs)
     others = [m for m in int8.modules() if isinstance(m, Tiled) and not any(m is t for t in linears + unit_convs)]
     assert len(others) > 0 and all(t.format == FLOAT32 for t in others)
