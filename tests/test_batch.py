@@ -310,8 +310,22 @@ def test_admission_is_first_come_and_the_queue_is_bounded(typed):
         engine.scheduler(max_batch=0)
     with pytest.raises(ValueError, match="max_queue"):
         engine.scheduler(max_queue=-1)
-    order: list[int] = []
+    made, admitted = [], []  # tickets in the order their streams were made; indices as admitted
     with engine.scheduler(max_batch=1, max_queue=3) as scheduler:
+        admission = scheduler.admission
+        enqueue, admit = admission.enqueue, admission.admit
+
+        def enqueued():
+            made.append(enqueue())
+            return made[-1]
+
+        def admitting(ticket):
+            if admit(ticket):  # max_batch 1: the next one waits for this stream's generation to end
+                admitted.append(made.index(ticket))
+                return True
+            return False
+
+        admission.enqueue, admission.admit = enqueued, admitting
         streams = [scheduler.stream(TEXTS[k], voice="serena", seed=k, max_new_tokens=10) for k in range(4)]
         with pytest.raises(SchedulerBusy):
             scheduler.stream(TEXTS[0], voice="serena", seed=9)
@@ -319,7 +333,6 @@ def test_admission_is_first_come_and_the_queue_is_bounded(typed):
         def take(k: int) -> None:
             for _ in streams[k]:
                 pass
-            order.append(k)
 
         threads = [threading.Thread(target=take, args=(k,)) for k in reversed(range(4))]
         for thread in threads:
@@ -327,7 +340,7 @@ def test_admission_is_first_come_and_the_queue_is_bounded(typed):
         for thread in threads:
             thread.join(60)
         stats = scheduler.stats
-    assert order == [0, 1, 2, 3]
+    assert admitted == [0, 1, 2, 3]
     assert set(stats.batch_sizes) == {1} and stats.active == 0 and stats.waiting == 0
     assert stats.queue_waits_s[0] < stats.queue_waits_s[-1]
 
@@ -599,6 +612,7 @@ def test_prompts_waiting_together_run_side_by_side_each_as_alone(typed, monkeypa
         both.wait()  # each waits for the other: one after the other, the barrier breaks
         threads, openmp = (None, True) if given is None else given
         seen.append((threading.current_thread().name, threads() if callable(threads) else threads, openmp))
+        both.wait()  # both shares read while both prompts run: one that ended first frees its threads
         return prefill(self, prompt, opts, generator, given)
 
     monkeypatch.setattr(FrameStep, "prefill", prefilled)
@@ -763,6 +777,7 @@ def test_a_joining_streams_prefill_runs_at_the_next_frame_boundary(typed, monkey
     import kazeia.scheduler as scheduling
 
     monkeypatch.setattr(scheduling, "GRACE_S", 2.0)  # a worker that submits late still makes it
+    monkeypatch.setattr(scheduling, "PROMPT_GRACE_S", 60.0)  # and a prompt built late (every one has its prefill)
     engine = typed("float32")
     events: list[str] = []
     with engine.scheduler(max_batch=2) as scheduler:
@@ -860,18 +875,13 @@ def test_max_batch_is_checked():
     assert ServerConfig("m").max_batch == 4  # four utterances at once unless asked (BENCHMARKS.md)
 
 
-def _taken(worker, jobs: int) -> bool:
-    """`jobs` jobs admitted and none of them still in the queue: serving threads hold them all."""
-    return worker.active == jobs and worker.queue_depth == 0
-
-
 def test_a_full_queue_is_refused_with_retry_after_under_max_batch(engines):
     """--max-batch 2, --queue-size 1: 2 long requests are generated together; of 6 more sent while
-    they run, one waits in the queue and the rest get 503 with a Retry-After; the server ends idle.
-    (Each request is sent once the ones before it are held by serving threads: sent all at once,
-    how many the threads take before the queue fills is a race.)"""
+    both are held after their first audio (HeldJobs: they cannot end first, however fast the
+    machine), one waits in the queue and the rest get 503 with a Retry-After; the server ends idle.
+    (The first two are sent one at a time, each once a serving thread holds the one before.)"""
     import httpx
-    from server_support import LiveServer
+    from server_support import HeldJobs, LiveServer
 
     from kazeia.server import Limits, ServerConfig, create_app
 
@@ -884,21 +894,25 @@ def test_a_full_queue_is_refused_with_retry_after_under_max_batch(engines):
             await response.aread()
             return response.status_code, response.headers.get("retry-after")
 
-    async def all_clients(url: str):
+    async def all_clients(url: str, gate: HeldJobs):
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120)) as http:
             first = []
-            for k in range(2):  # one at a time, each taken by a serving thread before the next
+            for k in range(2):  # one at a time: sent at once, both could find the queue's one place taken
                 first.append(asyncio.create_task(client(http, k)))
-                deadline = time.monotonic() + 30
-                while not _taken(app.state.kazeia.worker, k + 1) and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
+                await asyncio.to_thread(gate.wait_held, k + 1)  # a serving thread holds it
             rest = [asyncio.create_task(client(http, k)) for k in range(2, 8)]
+            pending, loop = set(rest), asyncio.get_running_loop()
+            deadline = loop.time() + 120
+            while len(pending) > 1 and loop.time() < deadline:  # five answered; one waits for a place
+                _, pending = await asyncio.wait(pending, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert len(pending) == 1, f"{len(pending)} of 6 requests unanswered while two are held"
+            gate.release()
             return await asyncio.gather(*first, *rest)
 
-    with LiveServer(app) as server:
-        got = asyncio.run(all_clients(server.url))
+    with LiveServer(app) as server, HeldJobs() as gate:
+        got = asyncio.run(all_clients(server.url, gate))
         worker = app.state.kazeia.worker
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while worker.active and time.monotonic() < deadline:
             time.sleep(0.02)
         assert worker.active == 0

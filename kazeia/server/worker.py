@@ -245,16 +245,18 @@ class Worker:
 
     def _end(self, job: Job, outcome: Outcome, frames: int) -> None:
         job.made_all = True
-        with self._lock:
-            self._active -= 1
         wall = time.perf_counter() - job.arrived - outcome.queue_s
-        if outcome.status == "completed":
-            self._mean_s = wall if self._mean_s is None else 0.8 * self._mean_s + 0.2 * wall
-        self.metrics.utterances.inc(outcome=outcome.status)
-        self.metrics.audio_seconds.inc(outcome.samples / SAMPLE_RATE)
-        if outcome.metrics is not None and outcome.metrics.audio_s > 0:
-            self.metrics.rtf.observe(outcome.metrics.rtf)
-        self.records.append(JobRecord(job.id, outcome.status, frames, job.frames_at_cancel))
+        try:  # counted out once its metrics and record are in: an idle worker has them all
+            if outcome.status == "completed":
+                self._mean_s = wall if self._mean_s is None else 0.8 * self._mean_s + 0.2 * wall
+            self.metrics.utterances.inc(outcome=outcome.status)
+            self.metrics.audio_seconds.inc(outcome.samples / SAMPLE_RATE)
+            if outcome.metrics is not None and outcome.metrics.audio_s > 0:
+                self.metrics.rtf.observe(outcome.metrics.rtf)
+            self.records.append(JobRecord(job.id, outcome.status, frames, job.frames_at_cancel))
+        finally:
+            with self._lock:
+                self._active -= 1
         log.info(
             "utterance %d %s%s%s: %d frames, %.2f s audio, queued %.2f s, %.2f s work",
             job.id,
