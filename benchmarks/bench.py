@@ -183,12 +183,12 @@ def _products(engine) -> tuple[list, list, list]:
     heads (once per codebook)."""
     from torch import nn
 
-    from kazeia.int4 import HeadLinear, Int4Linear
+    from kazeia.int4 import Int4Linear
     from kazeia.matmul import PackedLinear
     from kazeia.native.linear import NativeLinear
     from kazeia.quant import QuantLinear
 
-    kinds = (nn.Linear, PackedLinear, NativeLinear, QuantLinear, Int4Linear, HeadLinear)
+    kinds = (nn.Linear, PackedLinear, NativeLinear, QuantLinear, Int4Linear)
     talker, predictor = engine.model.talker, engine.model.code_predictor
     per_frame = [m for m in talker.layers.modules() if isinstance(m, kinds)] + [talker.codec_head]
     per_group = [m for m in predictor.layers.modules() if isinstance(m, kinds)]

@@ -16,10 +16,11 @@ Quantization (`quantize_weight`): for every group, a search over steps around it
 whose step and offset are fitted by least squares; the pair with the smallest squared error is
 kept. Per row, d and e are the largest step / 255 and the largest |offset| / 127; each group's s
 and n are its own rounded to those grids, and the codes are taken again against the rounded
-values, so the stored numbers are exactly what the product multiplies. The output heads keep
-bfloat16 (`HeadLinear`), the text embedding is an int8 table (`quant.QuantEmbedding`: only
-looked-up rows are read); norms, activations and caches stay float32. Products whose input width
-is not a multiple of 64 (none in the released models) stay float32.
+values, so the stored numbers are exactly what the product multiplies. The output heads and the
+`more_bits` down projections keep 8 bits (`quant.QuantLinear`, `eight_bit_products`), the text
+embedding is an int8 table (`quant.QuantEmbedding`: only looked-up rows are read); norms,
+activations and caches stay float32. Products whose input width is not a multiple of 64 (none in
+the released models) stay float32.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn
 from . import cpu
 from .matmul import replace_linears
 from .products import ProductSpec, RowProduct, address, check
+from .quant import QuantLinear, native_shape
 
 GROUP = 32  # weights per step and offset
 UNIT = 64  # two groups: one 32-byte block of codes (kazeia/native/int4.c)
@@ -233,90 +235,46 @@ class Int4Linear(nn.Module):
         return self._bound[1]
 
 
-class HeadLinear(nn.Module):
-    """An output head (logits), or a product int4 keeps in bfloat16: bfloat16 weights, float32
-    activations and sums, in gemv.c's `gemm_wide`, each row reduced as alone (a prompt's rows
-    split over the calling thread's team, the same results sooner). Where the build has
-    AVX512_BF16 the activations are rounded to bfloat16 for its pair dot product (twice the
-    multiply-adds of float32's a cycle: a 3-sentence prompt's 14 bfloat16 down projections on a
-    Zen 4 at ~100 GMAC/s against ~50), a finer rounding than the int4 products' own activations'."""
-
-    splits_rows = True  # a prompt's product on the calling thread's team (kazeia/products.py)
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        # bfloat16 values held as their bits, so that a module-wide .float() leaves them as they are
-        self.register_buffer("weight_bits", weight.detach().to(torch.bfloat16).contiguous().view(torch.int16))
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
-        self.lib = lib
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight_bits.view(torch.bfloat16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm(x).view(*x.shape[:-1], self.out_features)
-
-    def row_product(self) -> RowProduct:
-        """`gemm_wide` on any number of rows, each reduced as alone (kazeia/products.py)."""
-        return self._gemm
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., in) -> (m, out) float32 through gemv.c's `gemm_wide`."""
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        y = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
-        if rows.shape[0] == 0:
-            return y
-        status = self.lib.gemm_wide(self.weight_bits.data_ptr(), 1, rows.data_ptr(), address(self.bias), y.data_ptr(),
-                                    self.out_features, self.in_features, rows.shape[0],
-                                    cpu.native_threads())  # fmt: skip
-        check(status, f"the bfloat16 product of {rows.shape[0]} rows")
-        return y
-
-    def product_spec(self, dtype: torch.dtype) -> tuple | None:
-        """This product for stack.c (`products.ProductSpec`) in activations of `dtype`, or None."""
-        if dtype != torch.float32:
-            return None
-        return (ProductSpec.WIDE, 1, self.weight_bits.data_ptr(), None, None, None, address(self.bias),
-                self.out_features, self.in_features)  # fmt: skip
-
-
 def is_head(name: str) -> bool:
     """The products that make logits: the talker's codec head and the code predictor's heads."""
     return name.endswith("codec_head") or ".lm_head." in f".{name}"
 
 
 def more_bits(layer: int, layers: int) -> bool:
-    """The talker layers whose MLP down projection keeps bfloat16: the first and last eighths and
+    """The talker layers whose MLP down projection keeps 8 bits: the first and last eighths and
     every third between (the layers GGML's Q4_K_M gives 6 bits there)."""
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
-def wide_products(model: nn.Module) -> set[str]:
-    """Names of the products of a TTSModel that int4 keeps in bfloat16 (`HeadLinear`): the output
-    heads, and the talker's down projections in the `more_bits` layers. The talker runs once a
-    frame, the code predictor 15 times, so these cost ~8 % more bytes a frame for a talker closer
-    to float32 (BENCHMARKS.md)."""
-    names = {name for name, m in model.named_modules() if isinstance(m, nn.Linear) and is_head(name)}
+def eight_bit_products(model: nn.Module) -> set[str]:
+    """Names of the products of a TTSModel that int4 keeps at 8 bits (`quant.QuantLinear`: int8
+    weights with a scale a row, 16-bit activations): the output heads, and the talker's down
+    projections in the `more_bits` layers: ~8 % of the bytes a frame reads at int4 (the code
+    predictor's 15 heads, one a step). Kept in bfloat16 they were 15 % of them, and generation took
+    ~10 % longer (BENCHMARKS.md). Only shapes int8.c takes (`quant.native_shape`: every released
+    model's), so that each keeps rows independent of each other; any other stays int4."""
     layers = len(model.talker.layers)
-    names |= {f"talker.layers.{i}.mlp.down_proj" for i in range(layers) if more_bits(i, layers)}
-    return names
+    down = {f"talker.layers.{i}.mlp.down_proj" for i in range(layers) if more_bits(i, layers)}
+    return {
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (is_head(name) or name in down) and native_shape(m.out_features, m.in_features)
+    }
 
 
 def quantize_linears(module: nn.Module, lib: ctypes.CDLL, after_each=None) -> None:
-    """Replace every nn.Linear of a TTSModel in place: the `wide_products` by HeadLinears, the rest
-    by Int4Linears (float32 ones where the width does not allow units of 64).
+    """Replace every nn.Linear of a TTSModel in place: the `eight_bit_products` by int8
+    QuantLinears, the rest by Int4Linears (float32 ones where the width does not allow units of 64).
 
-    The heads keep bfloat16: their error goes straight into the logits that pick every code, and
-    at 4 bits it would double the talker's logit error (the quality guard, BENCHMARKS.md); GGML's
-    Q4_K_M keeps its output weights at 6 bits for the same reason. They are ~6 % of the weights."""
-    wide = wide_products(module)
-    heads = {id(m) for name, m in module.named_modules() if name in wide}
+    The heads keep 8 bits: their error goes straight into the logits that pick every code, and at 4
+    bits it would double the talker's logit error (the quality guard, BENCHMARKS.md); GGML's Q4_K_M
+    keeps its output weights at 6 bits for the same reason."""
+    kept = eight_bit_products(module)
+    eight = {id(m) for name, m in module.named_modules() if name in kept}
 
     def convert(linear: nn.Linear) -> nn.Module:
-        if id(linear) in heads:
-            return HeadLinear(linear.weight, linear.bias, lib)
+        if id(linear) in eight:
+            return QuantLinear.from_float(linear.weight.float(), linear.bias, lib)
         if supported(linear.in_features):
             return Int4Linear.from_float(linear.weight, linear.bias, lib)
         return linear.float()

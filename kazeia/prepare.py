@@ -60,18 +60,16 @@ def quantize(source: str | os.PathLike, target: str | os.PathLike, dtype: str, *
 
 def stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """A model loaded with dtype="int8" or "int4" -> the tensors of its prepared file (module names)."""
-    from .int4 import HeadLinear, Int4Linear
+    from .int4 import Int4Linear
     from .quant import QuantLinear
 
     out: dict[str, torch.Tensor] = {}
-    products = (QuantLinear, Int4Linear, HeadLinear)
+    products = (QuantLinear, Int4Linear)
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             out[f"{name}.qweight"], out[f"{name}.scales"] = module.stored
         elif isinstance(module, Int4Linear):
             out.update({f"{name}.{key}": t for key, t in module.stored.items()})
-        elif isinstance(module, HeadLinear):
-            out[f"{name}.weight"] = module.weight
         if isinstance(module, products) and module.bias is not None:
             out[f"{name}.bias"] = module.bias
     for name, tensor in model.state_dict().items():  # QuantEmbedding tables included, as they are

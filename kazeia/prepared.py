@@ -13,8 +13,10 @@ nothing:
   embedding likewise, everything else float32. Speaker-encoder tensors (Base) keep their released
   names and precision.
 * int4: the same names and fusion; each product stores `NAME.qweight` (packed codes), `NAME.steps`,
-  `NAME.offsets` and `NAME.factors` (`int4.quantize_weight`), the output heads `NAME.weight` in
-  bfloat16 (`int4.HeadLinear`), the text embedding as for int8.
+  `NAME.offsets` and `NAME.factors` (`int4.quantize_weight`), the output heads and the products
+  kept at 8 bits (`int4.eight_bit_products`) as int8 products do, the text embedding as for int8.
+  Version 1 files stored those kept products as bfloat16 `NAME.weight`; they still load, quantized
+  to int8 at load (the values a version 2 file stores).
 
 The values are those quantizing at load gives, so a prepared checkpoint speaks exactly like its
 source loaded in the same precision (tested); they do not depend on the CPU.
@@ -38,7 +40,8 @@ from .checkpoint import DTYPES, assign, load_tensors
 from .config import CheckpointError
 from .quant import QuantEmbedding, QuantLinear
 
-FORMAT, VERSION = "kazeia-prepared", "1"
+FORMAT, VERSION = "kazeia-prepared", "2"
+READABLE = ("1", "2")  # version 1: int4's kept products in bfloat16 (`_product`)
 QUANTIZED = ("int8", "int4")  # stored under module names, as the products multiply them
 WEIGHTS = "model.safetensors"
 
@@ -52,7 +55,7 @@ def prepared_dtype(path: Path) -> str | None:
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
     if meta.get("format") != FORMAT:
         return None
-    if meta.get("version") != VERSION or meta.get("dtype") not in DTYPES:
+    if meta.get("version") not in READABLE or meta.get("dtype") not in DTYPES:
         raise CheckpointError(
             f"{path} was prepared by another version of Kazeia (format {meta.get('version')!r}, "
             f"dtype {meta.get('dtype')!r}); prepare it again from the released checkpoint"
@@ -62,18 +65,19 @@ def prepared_dtype(path: Path) -> str | None:
 
 def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple[str, ...] = ()) -> None:
     """Fill `model` (built on the meta device, projections fused) from a prepared int8 or int4
-    file: the products become the modules of the stored values (QuantLinear; Int4Linear or, for the
-    output heads, HeadLinear), the text embedding a QuantEmbedding, the rest is assigned strictly
-    (a missing, unexpected or mis-shaped tensor names itself). Tensors whose names start with one
-    of `skipped` are another module's (a Base checkpoint's speaker encoder)."""
+    file: the products become the modules of the stored values (QuantLinear; Int4Linear, or
+    QuantLinear for the products int4 keeps at 8 bits), the text embedding a QuantEmbedding, the
+    rest is assigned strictly (a missing, unexpected or mis-shaped tensor names itself). Tensors
+    whose names start with one of `skipped` are another module's (a Base checkpoint's speaker
+    encoder)."""
     tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(skipped))
-    wide = int4.wide_products(model) if dtype == "int4" else set()
+    eight = int4.eight_bit_products(model) if dtype == "int4" else set()
     jobs = []  # (parent, attribute, a function making the product)
     for parent_name, parent in list(model.named_modules()):
         for child, linear in list(parent.named_children()):
             if isinstance(linear, nn.Linear):
                 name = f"{parent_name}.{child}" if parent_name else child
-                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, name in wide)))
+                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, name in eight)))
     # Packing the weights for the int8 GEMM is most of the time left; torch releases the GIL there.
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), cpu.usable_cpus()))) as pool:
         made = list(pool.map(lambda job: job[2](), jobs))
@@ -91,28 +95,30 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple
     assign(model, {**tensors, **built}, str(path))
 
 
-def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib, wide: bool):
+def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib, eight: bool):
     """The stored tensors of product `name` taken out of `tensors`, checked against the shape of
-    `linear`; returns a function that builds its module. `wide`: an int4 product kept in bfloat16
-    (`int4.wide_products`)."""
+    `linear`; returns a function that builds its module. `eight`: an int4 product kept at 8 bits
+    (`int4.eight_bit_products`)."""
     shape = (linear.out_features, linear.in_features)
     bias = tensors.pop(f"{name}.bias", None)
 
     def wrong(found: str, expected: str) -> CheckpointError:
         return CheckpointError(f"{path}: {name} is stored as {found}, expected {expected}")
 
-    if dtype == "int8":
+    if eight and f"{name}.weight" in tensors:  # a version 1 file's bfloat16 (READABLE)
+        weight = _take(tensors, f"{name}.weight", path)
+        if tuple(weight.shape) != shape or weight.dtype != torch.bfloat16:
+            raise wrong(f"{tuple(weight.shape)} {weight.dtype}", f"{shape} bfloat16")
+        return lambda: QuantLinear.from_float(weight.float(), bias, lib)
+    if dtype == "int8" or eight:
         qweight, scales = _take(tensors, f"{name}.qweight", path), _take(tensors, f"{name}.scales", path)
         if tuple(qweight.shape) != shape or tuple(scales.shape) != shape[:1] or qweight.dtype != torch.int8:
             raise wrong(f"{tuple(qweight.shape)} {qweight.dtype}", f"{shape} int8")
         return lambda: QuantLinear.from_int8(qweight, scales.float(), bias, lib)
-    if wide or not int4.supported(linear.in_features):  # kept wide (int4.quantize_linears)
+    if not int4.supported(linear.in_features):  # kept float32 (int4.quantize_linears)
         weight = _take(tensors, f"{name}.weight", path)
-        kind = torch.bfloat16 if wide else torch.float32
-        if tuple(weight.shape) != shape or weight.dtype != kind:
-            raise wrong(f"{tuple(weight.shape)} {weight.dtype}", f"{shape} {kind}")
-        if wide:
-            return lambda: int4.HeadLinear(weight, bias, lib)
+        if tuple(weight.shape) != shape or weight.dtype != torch.float32:
+            raise wrong(f"{tuple(weight.shape)} {weight.dtype}", f"{shape} float32")
         plain = nn.Linear(shape[1], shape[0], bias=bias is not None, device="meta")
         plain.weight, plain.bias = nn.Parameter(weight), None if bias is None else nn.Parameter(bias)
         return lambda: plain

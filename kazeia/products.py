@@ -13,8 +13,8 @@ the native stack (kazeia/native/step.py):
 * `splits_rows`: True where the product splits a prompt's rows over the calling thread's team itself
   (`own_threads`), so that torch's parallel regions must not take the same cores (kazeia/placement.py).
 
-The kinds are `native.linear.NativeLinear` (the float GEMV), `int4.Int4Linear` and `int4.HeadLinear`,
-and `quant.QuantLinear` (int8, row-independent where its native library runs it). This module also
+The kinds are `native.linear.NativeLinear` (the float GEMV), `int4.Int4Linear` and `quant.QuantLinear`
+(int8, row-independent where its native library runs it). This module also
 holds the one mapping from a native function's status to an exception (`check`).
 
 Non-goals: choosing a kind at load (kazeia/model.py), the kernels themselves (kazeia/native/*.c).
@@ -38,7 +38,7 @@ class ProductSpec(ctypes.Structure):
     """stack.c's description of one native product: its kind, weight dtype, the addresses of its
     weights and bias, its shape (`product_spec()` of each product kind)."""
 
-    GEMV, WIDE, INT4, INT8 = 0, 1, 2, 3
+    GEMV, INT4, INT8 = 0, 1, 2
     _fields_ = [
         ("kind", ctypes.c_int),
         ("dt", ctypes.c_int),

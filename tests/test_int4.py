@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kazeia import Engine, cpu, int4, native
-from kazeia.int4 import HeadLinear, Int4Linear
-from kazeia.quant import QuantEmbedding
+from kazeia.int4 import Int4Linear
+from kazeia.quant import QuantEmbedding, QuantLinear
 from kazeia.testing import ggml
 from kazeia.testing.quality import compare
 
@@ -119,26 +119,6 @@ def test_a_prompt_on_a_team_is_the_product_on_one_thread(threads, outputs):
     assert cpu.native_threads() == 1
 
 
-@pytest.mark.parametrize("threads, outputs, cols", [(1, 200, 96), (2, 200, 3072), (3, 37, 1000), (500, 7, 64)])
-def test_a_bfloat16_product_gives_each_row_its_one_row_sums(threads, outputs, cols):
-    """HeadLinear (gemv.c's gemm_wide): every row of a product of many (a prompt's, its weight
-    rows split over the team's threads) is that row's product alone, bit for bit, for any split
-    and any width (a width that is no multiple of the vectors included), and the float product of
-    the bfloat16 weights within float32 rounding (with the activations rounded to bfloat16 where
-    the build has AVX512_BF16's pair dot product, which multiplies them so)."""
-    gen = torch.Generator().manual_seed(3)
-    weight, bias = torch.randn(outputs, cols, generator=gen), torch.randn(outputs, generator=gen)
-    head = HeadLinear(weight, bias, LIB)
-    x = torch.randn(23, cols, generator=gen)  # tiles of 6 rows from 6 rows on, of bfloat16 pairs from 18
-    alone = torch.cat([head(row[None]) for row in x])
-    with cpu.team(threads, openmp=False):
-        assert torch.equal(head(x), alone) and torch.equal(head(x[:5].view(5, 1, cols)), alone[:5].view(5, 1, -1))
-    xs = x.to(torch.bfloat16) if LIB.gemv_bf16_dot() else x
-    ref = xs.double() @ weight.to(torch.bfloat16).double().T + bias.double()
-    assert float((alone.double() - ref).abs().max()) < 1e-5 * float(ref.abs().max())
-    assert head(x[:0]).shape == (0, outputs)
-
-
 def test_special_activations():
     linear = Int4Linear.from_float(torch.randn(16, 128), None, LIB)
     assert torch.equal(linear(torch.zeros(1, 128)), torch.zeros(1, 16))
@@ -158,10 +138,10 @@ def test_bad_stored_tensors_are_refused():
 def test_the_engine_runs_int4_products(tiny_checkpoints):
     engine = Engine.load(tiny_checkpoints["0.6B-custom"], dtype="int4")
     model = engine.model
-    assert isinstance(model.talker.codec_head, HeadLinear)
-    assert all(isinstance(h, HeadLinear) for h in model.code_predictor.lm_head)
+    assert isinstance(model.talker.codec_head, QuantLinear) and model.talker.codec_head.native
+    assert all(isinstance(h, QuantLinear) and h.native for h in model.code_predictor.lm_head)  # 8 bits
     assert isinstance(model.talker.layers[0].mlp.down_proj, Int4Linear)
-    assert isinstance(model.talker.layers[1].mlp.down_proj, HeadLinear)  # a `more_bits` layer of two
+    assert isinstance(model.talker.layers[1].mlp.down_proj, QuantLinear)  # a `more_bits` layer of two
     assert isinstance(model.code_predictor.layers[1].mlp.down_proj, Int4Linear)
     assert isinstance(model.talker.text_embedding, QuantEmbedding)
     assert model.talker.native_step is not None  # the C glue between the products

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kazeia import cpu, native
-from kazeia.int4 import HeadLinear, Int4Linear
+from kazeia.int4 import Int4Linear
 from kazeia.quant import QuantLinear, int8_supported
 
 LIB = native.library()
@@ -23,7 +23,7 @@ DEADLINE_S = 60  # how long a check waits for a child or for threads to end befo
 def _layers():
     gen = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(192, 256, generator=gen), torch.randn(192, generator=gen)
-    layers = [Int4Linear.from_float(weight, bias, LIB), HeadLinear(weight, bias, LIB)]
+    layers = [Int4Linear.from_float(weight, bias, LIB)]
     if int8_supported(LIB) is None:
         layers.append(QuantLinear.from_float(weight, bias, LIB))
     return layers

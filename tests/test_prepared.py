@@ -3,6 +3,7 @@ exactly like their source loaded in the same precision; they refuse other precis
 broken one names what is wrong."""
 
 import json
+import shutil
 import struct
 
 import numpy as np
@@ -15,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from kazeia import Engine, native
 from kazeia.cli import main
 from kazeia.config import CheckpointError
+from kazeia.model import rename
 from kazeia.prepare import quantize
-from kazeia.prepared import FORMAT, prepared_dtype
+from kazeia.prepared import FORMAT, VERSION, prepared_dtype
 
 GREEDY = dict(do_sample=False, subtalker_dosample=False, max_new_tokens=16, seed=3)
 NEEDS_INT8 = requires_int8
@@ -36,7 +38,7 @@ def _metadata(path) -> dict:
 def test_a_prepared_checkpoint_speaks_exactly_like_its_source(tiny_checkpoints, tmp_path, dtype):
     source = tiny_checkpoints["0.6B-custom"]
     target = quantize(source, tmp_path / "prepared", dtype)
-    assert _metadata(target / "model.safetensors") == {"format": FORMAT, "version": "1", "dtype": dtype}
+    assert _metadata(target / "model.safetensors") == {"format": FORMAT, "version": VERSION, "dtype": dtype}
     assert (
         prepared_dtype(target / "model.safetensors") == dtype and prepared_dtype(source / "model.safetensors") is None
     )
@@ -47,11 +49,11 @@ def test_a_prepared_checkpoint_speaks_exactly_like_its_source(tiny_checkpoints, 
     if dtype == "int8":  # products stored fused and quantized, as the int8 GEMM multiplies them
         assert stored["talker.layers.0.self_attn.qkv_proj.qweight"].dtype == torch.int8
         assert stored["talker.text_embedding.qweight"].dtype == torch.int8
-    elif dtype == "int4":  # packed codes, the group steps and offsets; the heads in bfloat16
+    elif dtype == "int4":  # packed codes, the group steps and offsets; the heads at 8 bits
         assert stored["talker.layers.0.self_attn.qkv_proj.qweight"].dtype == torch.uint8
         assert stored["talker.layers.0.self_attn.qkv_proj.offsets"].dtype == torch.int8
-        assert stored["code_predictor.lm_head.3.weight"].dtype == torch.bfloat16
-        assert stored["talker.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16  # int4.wide_products
+        assert stored["code_predictor.lm_head.3.qweight"].dtype == torch.int8
+        assert stored["talker.layers.1.mlp.down_proj.qweight"].dtype == torch.int8  # int4.eight_bit_products
     else:
         assert {t.dtype for t in stored.values() if t.is_floating_point()} == {getattr(torch, dtype)}
     prepared = Engine.load(target)  # its own precision by default
@@ -119,9 +121,38 @@ def test_a_broken_prepared_int4_file_names_what_is_wrong(tiny_checkpoints, tmp_p
     save_file({**tensors, f"{name}.steps": tensors[f"{name}.steps"].to(torch.int8)}, path, metadata=meta)
     with pytest.raises(CheckpointError, match=f"{name}: int4 steps is .* torch.int8, expected .* torch.uint8"):
         Engine.load(target)
-    head = "code_predictor.lm_head.0.weight"
+    head = "code_predictor.lm_head.0.qweight"
     save_file({**tensors, head: tensors[head].float()}, path, metadata=meta)
     with pytest.raises(CheckpointError, match="code_predictor.lm_head.0 is stored as .* torch.float32, expected"):
+        Engine.load(target)
+
+
+@NEEDS_NATIVE
+def test_a_version_1_int4_file_loads_its_bfloat16_heads_as_version_2_stores_them(tiny_checkpoints, tmp_path):
+    """Version 1 of the format kept int4's 8-bit products (int4.eight_bit_products) as bfloat16
+    weights: such a file still loads, those products quantized at load, and speaks exactly like
+    the version 2 file of the same (bfloat16, as released) source."""
+    source = tmp_path / "released"
+    shutil.copytree(tiny_checkpoints["0.6B-custom"], source)
+    weights = source / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(weights).items()}, weights)
+    target = quantize(source, tmp_path / "int4", "int4")
+    path = target / "model.safetensors"
+    tensors, meta = load_file(path), _metadata(path)
+    released = rename(load_file(weights), str(weights))  # module names (these products are not fused)
+    kept = {k.removesuffix(".scales") for k in tensors if k.endswith(".scales") and "embedding" not in k}
+    assert "talker.codec_head" in kept and "talker.layers.1.mlp.down_proj" in kept and len(kept) == 17
+    old = {k: v for k, v in tensors.items() if k.rpartition(".")[0] not in kept}
+    old |= {f"{name}.weight": released[f"{name}.weight"] for name in kept}
+    assert {old[f"{name}.weight"].dtype for name in kept} == {torch.bfloat16}
+    new = Engine.load(target)
+    a = new.synthesize("A prepared checkpoint.", voice="serena", **GREEDY)
+    save_file(old, path, metadata={**meta, "version": "1"})
+    b = Engine.load(target).synthesize("A prepared checkpoint.", voice="serena", **GREEDY)
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_array_equal(a.audio, b.audio)
+    save_file({**old, "talker.codec_head.weight": old["talker.codec_head.weight"].float()}, path, metadata=meta)
+    with pytest.raises(CheckpointError, match="talker.codec_head is stored as .* torch.float32, expected .* bfloat16"):
         Engine.load(target)
 
 

@@ -215,7 +215,6 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "gemv_team": ([*[_P] * 4, _LONG, _LONG, _INT, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
     "gemv_bf16_dot": ([], _INT),
-    "gemm_wide": ([_P, _INT, *[_P] * 3, _LONG, _LONG, _LONG, _INT], _INT),
     "int4_gemv": ([*[_P] * 7, _LONG, _LONG, _LONG], _INT),
     "int4_gemm": ([*[_P] * 7, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
     "int4_kernel": ([], _INT),

@@ -1,5 +1,5 @@
-/* Products of a few activation rows with a weight matrix, for decoding steps (single-threaded;
-   `gemm_wide` also splits a prompt's weight rows over threads):
+/* Products of a few activation rows with a weight matrix, for decoding steps (gemv_team may split
+   the weight rows over threads: a step that takes the vocoder's core):
    y[i][r] = sum over c of x[i][c] * w[r][c], i < m, r < rows; w is row-major (rows, cols), as a
    Linear stores it; x and y are m rows of cols and rows values. m is 1 or 2 for one sequence's
    step, up to MAX_ROWS for a batched step of several requests (kazeia/batch.py).
@@ -15,12 +15,10 @@
    the portable build), added in a fixed order: for a given build a row's result never depends on
    m or on the other rows. More than two rows go through the same two-row dot product in pairs,
    (0, 1), (2, 3), ..., while the weight row is still in the first-level cache: each row's sums
-   are those of m = 1, so a batched step gives every request exactly its solo result (gemm_wide
-   takes six rows or more, 18 with the pair dot product, in tiles that make the same sums:
-   wide_tiles). Weights and activations of dt (0 float32, 1 bfloat16, 2 float16) are widened to
-   float32 and multiplied with fused multiply-adds; with AVX512_BF16, bfloat16 pairs go through its
-   dot product (exact products, float32 sums; gemm_wide rounds its float32 activations to bfloat16
-   for it). Outputs are rounded to dt once, as a float32-accumulating matmul does. Which
+   are those of m = 1, so a batched step gives every request exactly its solo result. Weights and
+   activations of dt (0 float32, 1 bfloat16, 2 float16) are widened to float32 and multiplied with
+   fused multiply-adds; with AVX512_BF16, bfloat16 pairs go through its dot product (exact
+   products, float32 sums). Outputs are rounded to dt once, as a float32-accumulating matmul does. Which
    instructions are used is decided by the build's target flags (kazeia/cpu.py). */
 
 #include <stdint.h>
@@ -35,8 +33,7 @@
 #include "jobs.h"
 
 /* Whether bfloat16 weights meet bfloat16 activations in AVX512_BF16's pair dot product (exact
-   products, float32 sums): the bfloat16 models' products, and gemm_wide's (activations rounded to
-   bfloat16 once per call there). */
+   products, float32 sums): the bfloat16 models' products. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define PAIR_DOT 1
 #else
@@ -200,19 +197,6 @@ static void row_dot_bf16(const uint16_t *w, const uint16_t *x, int m, long cols,
 }
 #endif
 
-#if PAIR_DOT
-/* m rows of cols float32 values rounded to bfloat16 (to nearest even, as to_bf16), row by row, so
-   that a value's rounding depends only on its column. */
-static void to_bf16_rows(const float *x, long m, long cols, uint16_t *out) {
-    for (long i = 0; i < m; i++, x += cols, out += cols) {
-        long c = 0;
-        for (; c + 16 <= cols; c += 16)
-            _mm256_storeu_si256((__m256i *)(out + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + c)));
-        for (; c < cols; c++) out[c] = to_bf16(x[c]);
-    }
-}
-#endif
-
 /* row_dot with its dtype and row count constants, so that neither is tested in its loops. */
 static void row_dot_any(const void *w, int dt, const float *xf, int m, long cols, float sums[2]) {
     if (dt == BF16)
@@ -276,246 +260,5 @@ int gemv_team(const void *w, const void *x, const void *bias, void *y, long rows
         jobs[i] = (struct gemv_job){w, x, bias, y, xf, rows, cols, rows * i / threads, rows * (i + 1) / threads, m, dt};
     run_jobs(gemv_job_run, jobs, sizeof jobs[0], threads);
     free(xf);
-    return 0;
-}
-
-/* One thread's share of gemm_wide: weight rows [first, last). */
-struct wide_job {
-    const void *w;
-    int wdt;
-    const float *x, *bias;
-    float *y;
-    long rows, cols, m, first, last;
-    const void *tiles; /* the activation rows laid out for the tiles (wide_layout), or NULL */
-    const uint16_t *xb; /* x rounded to bfloat16 (PAIR_DOT), or NULL: x as it is */
-};
-
-/* Weight rows per pass over the activation pairs: they stay in the second-level cache while a pair
-   (two rows of cols floats) stays in the first (a prompt's 27 x 3072 -> 1024 read its weights
-   from memory once per pair without it). */
-enum { WIDE_ROWS = 16 };
-
-/* Weight row r against activation rows [i0, i1) through row_dot, in pairs: their y, with the bias. */
-static void wide_rows(const struct wide_job *j, long r, long i0, long i1) {
-    const char *w = (const char *)j->w + r * j->cols * (j->wdt == F32 ? 4 : 2);
-    for (long i = i0; i < i1; i += 2) {
-        const int pair = i1 - i < 2 ? (int)(i1 - i) : 2;
-        float sums[2];
-#if PAIR_DOT
-        if (j->xb)
-            row_dot_bf16((const uint16_t *)w, j->xb + i * j->cols, pair, j->cols, sums);
-        else
-#endif
-            row_dot_any(w, j->wdt, j->x + i * j->cols, pair, j->cols, sums);
-        for (int k = 0; k < pair; k++) j->y[(i + k) * j->rows + r] = sums[k] + (j->bias ? j->bias[r] : 0.0f);
-    }
-}
-
-#if VECTORS
-/* A prompt's rows in tiles (gemm_wide): pairs of weight rows against TILE_X activation rows, each
-   weight vector widened once for the tile's activation rows and each activation vector loaded once
-   for a pair of weight rows (row_dot does both once per pair of activation rows: a prompt's
-   bfloat16 products ran at a third of the multiply-add units' rate, 17-24 GMAC/s a thread on a Zen
-   3). Every sum is row_dot's: each of an output's four accumulators (a[u], the vectors u, u + 4,
-   u + 8, ... of the row) gets the same multiply-adds in the same order, accumulator after
-   accumulator over a chunk of TILE_COLS columns, kept in `part` between chunks; then the same
-   additions. The activation rows are laid out once per call (wide_layout): each tile's chunks
-   with its rows side by side (rows cols floats apart fell in the same first-level cache sets), so
-   that a chunk stays in that cache while every weight pair of a block passes (copying the chunk
-   for each block of WIDE_ROWS weight rows instead took ~18 % of a 56 x 3072 -> 1024 product).
-   Rows whose columns are not whole blocks of four vectors keep row_dot. */
-enum { TILE_X = 6, TILE_COLS = 512, PAIRS = WIDE_ROWS / 2 };
-typedef vec tile_part[4][2][TILE_X]; /* one weight pair's accumulators: [u][weight row][activation row] */
-
-/* wide_block's dtype for bfloat16 weights and activations in the pair dot product (PAIR_DOT): a
-   vector holds 32 columns, and each accumulator gets row_dot_bf16's pair products in its order. */
-enum { PAIRED = 3 };
-
-/* The accumulators of `pairs` weight-row pairs (w: the first pair's first row; rows of cols
-   values) against nx activation rows over blocks [b0, b1) of four vectors: xs holds those columns
-   of the nx rows, TILE_COLS values a row (float32, or bfloat16 where dt is PAIRED). */
-static inline __attribute__((always_inline)) void wide_block(const void *w, const int dt, const void *xs, long cols,
-                                                             long b0, long b1, int pairs, const int nx,
-                                                             tile_part *part) {
-    const long width = dt == F32 ? 4 : 2, lanes = dt == PAIRED ? 32 : LANES, step = 4 * lanes;
-    for (int p = 0; p < pairs; p++) {
-        const void *w0 = (const char *)w + 2 * p * cols * width, *w1 = (const char *)w0 + cols * width;
-        for (int u = 0; u < 4; u++) {
-            vec a0[TILE_X], a1[TILE_X];
-            for (int k = 0; k < nx; k++) {
-                a0[k] = b0 ? part[p][u][0][k] : vzero();
-                a1[k] = b0 ? part[p][u][1][k] : vzero();
-            }
-            for (long b = b0; b < b1; b++) {
-                const long c = b * step + u * lanes, cx = (b - b0) * step + u * lanes;
-#if PAIR_DOT
-                if (dt == PAIRED) {
-                    const __m512bh v0 = (__m512bh)_mm512_loadu_si512((const uint16_t *)w0 + c);
-                    const __m512bh v1 = (__m512bh)_mm512_loadu_si512((const uint16_t *)w1 + c);
-                    for (int k = 0; k < nx; k++) {
-                        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const uint16_t *)xs + k * TILE_COLS + cx);
-                        a0[k] = _mm512_dpbf16_ps(a0[k], v0, xv);
-                        a1[k] = _mm512_dpbf16_ps(a1[k], v1, xv);
-                    }
-                    continue;
-                }
-#endif
-                const vec v0 = vload(w0, c, dt), v1 = vload(w1, c, dt);
-                for (int k = 0; k < nx; k++) {
-                    const vec xv = vload((const float *)xs + k * TILE_COLS, cx, F32);
-                    a0[k] = vfma(v0, xv, a0[k]);
-                    a1[k] = vfma(v1, xv, a1[k]);
-                }
-            }
-            for (int k = 0; k < nx; k++) part[p][u][0][k] = a0[k], part[p][u][1][k] = a1[k];
-        }
-    }
-}
-
-/* wide_block with its dtype and activation row count constants. */
-static void wide_block_any(const void *w, int dt, const void *xs, long cols, long b0, long b1, int pairs, int nx,
-                           tile_part *part) {
-#define WIDE_BLOCK(n)                                                                                                  \
-    do {                                                                                                               \
-        if (PAIR_DOT && dt == PAIRED)                                                                                  \
-            wide_block(w, PAIRED, xs, cols, b0, b1, pairs, n, part);                                                   \
-        else if (dt == BF16)                                                                                           \
-            wide_block(w, BF16, xs, cols, b0, b1, pairs, n, part);                                                     \
-        else if (dt == F16)                                                                                            \
-            wide_block(w, F16, xs, cols, b0, b1, pairs, n, part);                                                      \
-        else                                                                                                           \
-            wide_block(w, F32, xs, cols, b0, b1, pairs, n, part);                                                      \
-    } while (0)
-    switch (nx) {
-    case 1: WIDE_BLOCK(1); break;
-    case 2: WIDE_BLOCK(2); break;
-    case 3: WIDE_BLOCK(3); break;
-    case 4: WIDE_BLOCK(4); break;
-    case 5: WIDE_BLOCK(5); break;
-    default: WIDE_BLOCK(TILE_X); break;
-    }
-#undef WIDE_BLOCK
-}
-
-/* Values of x (m rows of cols) laid out for the tiles: for each tile of TILE_X rows, each chunk of
-   TILE_COLS columns, the rows' chunks side by side (TILE_COLS values a row, a last chunk padded);
-   x holds values of `size` bytes (float32, or bfloat16 for PAIR_DOT). */
-static long wide_chunks(long cols) { return (cols + TILE_COLS - 1) / TILE_COLS; }
-static long wide_layout_values(long m, long cols) {
-    return (m + TILE_X - 1) / TILE_X * wide_chunks(cols) * TILE_X * TILE_COLS;
-}
-static void wide_layout(const void *x, size_t size, long m, long cols, void *tiles) {
-    const long chunks = wide_chunks(cols);
-    for (long i = 0; i < m; i++)
-        for (long c = 0; c < chunks; c++) {
-            const long first = c * TILE_COLS, n = cols - first < TILE_COLS ? cols - first : TILE_COLS;
-            const long to = ((i / TILE_X * chunks + c) * TILE_X + i % TILE_X) * TILE_COLS;
-            memcpy((char *)tiles + to * (long)size, (const char *)x + (i * cols + first) * (long)size, size * (size_t)n);
-        }
-}
-
-#if PAIR_DOT
-/* The first tile reads its weights from memory, where the pair dot product outruns the hardware's
-   own prefetching: it asks for the next chunk's weight rows [r0, r1) from column c0 into the
-   second-level cache (on a 2-vCPU Zen 4, 14 x (46 x 3072 -> 1024) products: 98-109 GMAC/s on two
-   threads against 75-97 without). */
-static void ask_next_chunk(const struct wide_job *j, long r0, long r1, long c0) {
-    const long c1 = c0 + TILE_COLS < j->cols ? c0 + TILE_COLS : j->cols;
-    for (long r = r0; r < r1; r++)
-        for (long c = c0; c < c1; c += 32)
-            _mm_prefetch((const char *)((const uint16_t *)j->w + r * j->cols + c), _MM_HINT_T1);
-}
-#endif
-
-/* Weight rows [r0, r1) (at most WIDE_ROWS) against all activation rows in tiles (j->tiles); an odd
-   last weight row through row_dot (row_dot_bf16). */
-static void wide_tiles(const struct wide_job *j, long r0, long r1) {
-    const long width = j->wdt == F32 ? 4 : 2;
-    /* a block: four vectors of floats, or of bfloat16 pairs */
-    const long step = j->xb ? 128 : 4 * LANES, blocks = j->cols / step, chunk = TILE_COLS / step;
-    const long chunks = wide_chunks(j->cols);
-    const int pairs = (int)((r1 - r0) / 2);
-    tile_part part[PAIRS];
-    for (long i = 0; i < j->m; i += TILE_X) {
-        const int nx = j->m - i < TILE_X ? (int)(j->m - i) : TILE_X;
-        for (long b0 = 0; b0 < blocks; b0 += chunk) {
-            const long b1 = b0 + chunk < blocks ? b0 + chunk : blocks;
-            const long at = (i / TILE_X * chunks + b0 / chunk) * TILE_X * TILE_COLS;
-            const char *w = (const char *)j->w + r0 * j->cols * width;
-#if PAIR_DOT
-            if (j->xb && i == 0 && b1 < blocks) ask_next_chunk(j, r0, r1, b1 * 128);
-#endif
-            const void *xs = (const char *)j->tiles + at * (j->xb ? sizeof(uint16_t) : sizeof(float));
-            wide_block_any(w, j->xb ? PAIRED : j->wdt, xs, j->cols, b0, b1, pairs, nx, part);
-        }
-        for (int p = 0; p < pairs; p++)
-            for (int q = 0; q < 2; q++) {
-                const long r = r0 + 2 * p + q;
-                const vec(*a)[2][TILE_X] = part[p];
-                for (int k = 0; k < nx; k++)
-                    j->y[(i + k) * j->rows + r] =
-                        vsum(vadd(vadd(a[0][q][k], a[1][q][k]), vadd(a[2][q][k], a[3][q][k]))) +
-                        (j->bias ? j->bias[r] : 0.0f);
-            }
-        if (r0 + 2 * pairs < r1) wide_rows(j, r1 - 1, i, i + nx); /* the odd last row */
-    }
-}
-#endif
-
-static void *wide_job_run(void *arg) {
-    const struct wide_job *j = arg;
-    for (long r0 = j->first; r0 < j->last; r0 += WIDE_ROWS) {
-        const long r1 = r0 + WIDE_ROWS < j->last ? r0 + WIDE_ROWS : j->last;
-#if VECTORS
-        if (j->tiles) {
-            wide_tiles(j, r0, r1);
-            continue;
-        }
-#endif
-        for (long i = 0; i < j->m; i += 2)
-            for (long r = r0; r < r1; r++) wide_rows(j, r, i, i + 2 < j->m ? i + 2 : j->m);
-    }
-    return NULL;
-}
-
-enum { WIDE_THREADS = 16 }; /* at most MAX_JOBS (jobs.h) */
-
-/* y (m x rows, float32) = x (m x cols, float32) @ w.T (w: rows x cols of wdt) [+ bias (rows,
-   float32)]: weights kept narrow, results not rounded (kazeia/int4.py's output heads, and the
-   talker's down projections int4 keeps in bfloat16). Same summation as `gemv_team` (row_dot,
-   activation rows in pairs): each row's result is that of m = 1, whatever m, the weight rows' split
-   over `threads` threads (a prompt's product) or the order they are taken in. With PAIR_DOT,
-   bfloat16 weights meet the activations rounded to bfloat16 in the pair dot product (row_dot_bf16,
-   wide_block): twice the multiply-adds an instruction of float32's, for a rounding of x finer
-   than int4's own activations' (8-bit codes per block of 128); the activations stay float32
-   otherwise. Returns 0, -1 for a shape it does not take, -2 when out of memory. */
-int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
-              int threads) {
-    if (m < 1 || rows < 1 || cols < 1) return -1;
-    threads = job_count(threads, shares(rows, rows * cols * m), WIDE_THREADS);
-    uint16_t *xb = NULL;
-#if PAIR_DOT
-    if (wdt == BF16) { /* x rounded to bfloat16 once, the same way for every row and every m */
-        if (!(xb = line_buffer(sizeof(uint16_t) * (size_t)(m * cols)))) return -2;
-        to_bf16_rows(x, m, cols, xb);
-    }
-#endif
-    void *tiles = NULL; /* where it cannot be had, the rows go through row_dot: the same sums */
-#if VECTORS
-    /* the pair dot product's rows in pairs (row_dot_bf16, each weight row asked for ahead) beat its
-       tiles below three tiles' worth of rows (Zen 4: 58 against 38-45 GMAC/s at 6 rows, 77 against
-       63-71 at 12) */
-    const long block = xb ? 128 : 4 * LANES, fewest = xb ? 3 * TILE_X : TILE_X;
-    const size_t size = xb ? sizeof(uint16_t) : sizeof(float);
-    if (m >= fewest && cols % block == 0 && (tiles = line_buffer(size * (size_t)wide_layout_values(m, cols))))
-        wide_layout(xb ? (const void *)xb : (const void *)x, size, m, cols, tiles);
-#endif
-    struct wide_job jobs[WIDE_THREADS];
-    for (int i = 0; i < threads; i++)
-        jobs[i] = (struct wide_job){w, wdt, x, bias, y, rows, cols, m, rows * i / threads, rows * (i + 1) / threads,
-                                    tiles, xb};
-    run_jobs(wide_job_run, jobs, sizeof jobs[0], threads);
-    free(tiles);
-    free(xb);
     return 0;
 }

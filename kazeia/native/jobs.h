@@ -1,5 +1,5 @@
 /* Work split over threads, for the native functions that take a thread count (int4.c's int4_gemm,
-   int8.c's int8_gemm, gemv.c's gemm_wide, the vocoder's convolutions, stack.c's step): n jobs of
+   int8.c's int8_gemm, gemv.c's gemv_team, the vocoder's convolutions, stack.c's step): n jobs of
    `size` bytes each in one array, job 0 run on the calling thread and the others on its helper
    threads (jobs.c), all done before `run_jobs` returns. A job no helper can take runs on the calling
    thread instead, so the work is always done, and each job's results never depend on which thread

@@ -1,6 +1,6 @@
 /* A whole decoding step of a decoder stack in one call: every layer's products and the glue
    between them (decode.c), for the stacks whose products are all native (the float GEMV of
-   gemv.c, its bfloat16-weight `gemm_wide`, int4.c and int8.c), with the activations in one dtype.
+   gemv.c, int4.c and int8.c), with the activations in one dtype.
 
    Python makes ~8 calls a layer otherwise (4 products, 4 glue functions), 103 layer steps a frame
    (the talker's 28 once, the code predictor's 5 fifteen times): their dispatch was the largest cost
@@ -13,11 +13,11 @@
 
 #include <stdint.h>
 
-enum { GEMV = 0, WIDE = 1, INT4 = 2, INT8 = 3 };
+enum { GEMV = 0, INT4 = 1, INT8 = 2 };
 
 /* One product: y (m x rows) = x (m x cols) @ W.T [+ bias]. GEMV: w of dtype dt, x and y of dt.
-   WIDE: w bfloat16 bits, x and y float32. INT4: w codes, a steps, b offsets, c row factors, x and
-   y float32 (int4.c). INT8: w int8 values in int8.c's layout, a row scales, x and y float32. */
+   INT4: w codes, a steps, b offsets, c row factors, x and y float32 (int4.c). INT8: w int8 values
+   in int8.c's layout, a row scales, x and y float32. */
 typedef struct {
     int kind, dt;
     const void *w, *a, *b, *c;
@@ -31,8 +31,6 @@ typedef struct {
 } Layer;
 
 int gemv_team(const void *w, const void *x, const void *bias, void *y, long rows, long cols, int m, int dt,
-              int threads);
-int gemm_wide(const void *w, int wdt, const float *x, const float *bias, float *y, long rows, long cols, long m,
               int threads);
 int int4_gemm(const uint8_t *qw, const uint8_t *gs, const int8_t *gn, const float *rf, const float *x,
               const float *bias, float *y, long rows, long cols, long m, int threads);
@@ -48,8 +46,6 @@ static int product(const Product *p, const void *x, void *y, int m, int threads)
     switch (p->kind) {
     case GEMV:
         return gemv_team(p->w, x, p->bias, y, p->rows, p->cols, m, p->dt, threads);
-    case WIDE:
-        return gemm_wide(p->w, 1, x, p->bias, y, p->rows, p->cols, m, threads);
     case INT4:
         return int4_gemm(p->w, p->a, p->b, p->c, x, p->bias, y, p->rows, p->cols, m, threads);
     case INT8:
