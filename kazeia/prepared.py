@@ -16,7 +16,7 @@ nothing:
   `NAME.offsets` and `NAME.factors` (`int4.quantize_weight`), the output heads and the products
   kept at 8 bits (`int4.eight_bit_products`) as int8 products do, the text embedding as for int8.
   Version 1 files stored those kept products as bfloat16 `NAME.weight`; they still load, quantized
-  to int8 at load (the values a version 2 file stores).
+  to int8 at load (from a bfloat16 source, as released, the values a version 2 file stores).
 
 The values are those quantizing at load gives, so a prepared checkpoint speaks exactly like its
 source loaded in the same precision (tested); they do not depend on the CPU.
@@ -72,12 +72,14 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple
     encoder)."""
     tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(skipped))
     eight = int4.eight_bit_products(model) if dtype == "int4" else set()
+    first = _version(path) == "1"  # int4's kept products in bfloat16 there
     jobs = []  # (parent, attribute, a function making the product)
     for parent_name, parent in list(model.named_modules()):
         for child, linear in list(parent.named_children()):
             if isinstance(linear, nn.Linear):
                 name = f"{parent_name}.{child}" if parent_name else child
-                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, name in eight)))
+                kept = "bfloat16" if first else "int8"
+                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, name in eight and kept)))
     # Packing the weights for the int8 GEMM is most of the time left; torch releases the GIL there.
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), cpu.usable_cpus()))) as pool:
         made = list(pool.map(lambda job: job[2](), jobs))
@@ -95,22 +97,24 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple
     assign(model, {**tensors, **built}, str(path))
 
 
-def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib, eight: bool):
+def _product(
+    tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib, kept: str | bool
+):
     """The stored tensors of product `name` taken out of `tensors`, checked against the shape of
-    `linear`; returns a function that builds its module. `eight`: an int4 product kept at 8 bits
-    (`int4.eight_bit_products`)."""
+    `linear`; returns a function that builds its module. `kept`: how an int4 product kept at 8 bits
+    (`int4.eight_bit_products`) is stored, "int8" or (version 1) "bfloat16"; False for the others."""
     shape = (linear.out_features, linear.in_features)
     bias = tensors.pop(f"{name}.bias", None)
 
     def wrong(found: str, expected: str) -> CheckpointError:
         return CheckpointError(f"{path}: {name} is stored as {found}, expected {expected}")
 
-    if eight and f"{name}.weight" in tensors:  # a version 1 file's bfloat16 (READABLE)
+    if kept == "bfloat16":  # a version 1 file's (READABLE): quantized here as version 2 stores it
         weight = _take(tensors, f"{name}.weight", path)
         if tuple(weight.shape) != shape or weight.dtype != torch.bfloat16:
             raise wrong(f"{tuple(weight.shape)} {weight.dtype}", f"{shape} bfloat16")
         return lambda: QuantLinear.from_float(weight.float(), bias, lib)
-    if dtype == "int8" or eight:
+    if dtype == "int8" or kept:
         qweight, scales = _take(tensors, f"{name}.qweight", path), _take(tensors, f"{name}.scales", path)
         if tuple(qweight.shape) != shape or tuple(scales.shape) != shape[:1] or qweight.dtype != torch.int8:
             raise wrong(f"{tuple(qweight.shape)} {qweight.dtype}", f"{shape} int8")
@@ -130,6 +134,12 @@ def _product(tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dty
     except ValueError as e:
         raise CheckpointError(f"{path}: {name}: {e}") from None
     return lambda: made
+
+
+def _version(path: Path) -> str:
+    """The format version of a prepared file (`prepared_dtype` has checked it is READABLE)."""
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("version", VERSION)
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tensor:

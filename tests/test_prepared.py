@@ -151,8 +151,12 @@ def test_a_version_1_int4_file_loads_its_bfloat16_heads_as_version_2_stores_them
     b = Engine.load(target).synthesize("A prepared checkpoint.", voice="serena", **GREEDY)
     np.testing.assert_array_equal(a.codes, b.codes)
     np.testing.assert_array_equal(a.audio, b.audio)
-    save_file({**old, "talker.codec_head.weight": old["talker.codec_head.weight"].float()}, path, metadata=meta)
+    first = {**meta, "version": "1"}
+    save_file({**old, "talker.codec_head.weight": old["talker.codec_head.weight"].float()}, path, metadata=first)
     with pytest.raises(CheckpointError, match="talker.codec_head is stored as .* torch.float32, expected .* bfloat16"):
+        Engine.load(target)
+    save_file(old, path, metadata=meta)  # version 2 stores them as int8
+    with pytest.raises(CheckpointError, match="missing tensor .*qweight"):
         Engine.load(target)
 
 
