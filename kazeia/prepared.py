@@ -48,11 +48,7 @@ WEIGHTS = "model.safetensors"
 
 def prepared_dtype(path: Path) -> str | None:
     """The precision `path` (a model.safetensors) was prepared for, None for a released file."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+    meta = _metadata(path)
     if meta.get("format") != FORMAT:
         return None
     if meta.get("version") not in READABLE or meta.get("dtype") not in DTYPES:
@@ -72,14 +68,14 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple
     encoder)."""
     tensors = load_tensors(path, mmap=False, wanted=lambda name: not name.startswith(skipped))
     eight = int4.eight_bit_products(model) if dtype == "int4" else set()
-    first = _version(path) == "1"  # int4's kept products in bfloat16 there
+    kept = "bfloat16" if _metadata(path).get("version") == "1" else "int8"  # how int4's kept products are stored
     jobs = []  # (parent, attribute, a function making the product)
     for parent_name, parent in list(model.named_modules()):
         for child, linear in list(parent.named_children()):
             if isinstance(linear, nn.Linear):
                 name = f"{parent_name}.{child}" if parent_name else child
-                kept = "bfloat16" if first else "int8"
-                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, name in eight and kept)))
+                stored = kept if name in eight else None
+                jobs.append((parent, child, _product(tensors, name, linear, dtype, path, lib, stored)))
     # Packing the weights for the int8 GEMM is most of the time left; torch releases the GIL there.
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), cpu.usable_cpus()))) as pool:
         made = list(pool.map(lambda job: job[2](), jobs))
@@ -98,11 +94,11 @@ def load_quantized(model: nn.Module, path: Path, dtype: str, lib, skipped: tuple
 
 
 def _product(
-    tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib, kept: str | bool
+    tensors: dict[str, torch.Tensor], name: str, linear: nn.Linear, dtype: str, path: Path, lib, kept: str | None
 ):
     """The stored tensors of product `name` taken out of `tensors`, checked against the shape of
     `linear`; returns a function that builds its module. `kept`: how an int4 product kept at 8 bits
-    (`int4.eight_bit_products`) is stored, "int8" or (version 1) "bfloat16"; False for the others."""
+    (`int4.eight_bit_products`) is stored, "int8" or (version 1) "bfloat16"; None for the others."""
     shape = (linear.out_features, linear.in_features)
     bias = tensors.pop(f"{name}.bias", None)
 
@@ -136,10 +132,13 @@ def _product(
     return lambda: made
 
 
-def _version(path: Path) -> str:
-    """The format version of a prepared file (`prepared_dtype` has checked it is READABLE)."""
-    with safe_open(str(path), framework="pt") as f:
-        return (f.metadata() or {}).get("version", VERSION)
+def _metadata(path: Path) -> dict[str, str]:
+    """The safetensors metadata of `path` (a model.safetensors); unreadable: a CheckpointError."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or corrupt?): {e}") from None
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tensor:
