@@ -36,7 +36,9 @@ _END = object()
 
 
 class TextFeed:
-    """A text source filled from another thread: `append(delta)` any number of times, then `end()`."""
+    """A text source filled from another thread: `append(delta)` any number of times, then `end()`.
+    Each delta keeps the moment it arrived: a text's timeouts count the client's pauses, not how
+    late a busy reader takes what is queued."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue = queue.Queue()
@@ -50,15 +52,19 @@ class TextFeed:
         if self._ended:
             raise ValueError("the text feed has ended; no more text can be appended")
         if delta:
-            self._queue.put(delta)
+            self._put(delta)
 
     def end(self) -> None:
         if not self._ended:
             self._ended = True
-            self._queue.put(_END)
+            self._put(_END)
 
-    def get(self, timeout: float) -> str | object:
-        """The next delta, `_END`, or raise queue.Empty after `timeout` seconds."""
+    def _put(self, item: str | object) -> None:
+        self._queue.put((time.monotonic(), item))
+
+    def get(self, timeout: float) -> tuple[float, str | object]:
+        """The next delta (or `_END`, or a source's error) and the monotonic time it arrived; raise
+        queue.Empty after `timeout` seconds."""
         return self._queue.get(timeout=timeout)
 
 
@@ -87,7 +93,7 @@ def as_feed(source: Iterable[str] | AsyncIterable[str] | TextFeed) -> TextFeed:
         try:
             target()
         except BaseException as error:  # reported through the feed
-            feed._queue.put(error)
+            feed._put(error)
         feed.end()
 
     threading.Thread(target=run, name="kazeia-text-source", daemon=True).start()
@@ -134,12 +140,12 @@ class LiveText:
         while True:
             if self.should_stop is not None and self.should_stop():
                 return False
-            self._check_time()
             try:
-                item = self.feed.get(timeout=0.05)
+                arrived, item = self.feed.get(timeout=0.05)
                 break
             except queue.Empty:
-                continue
+                self._check_time(time.monotonic())
+        self._check_time(arrived)  # the text had paused, or run out of time, before this came
         if isinstance(item, BaseException):
             raise item
         if item is _END:
@@ -148,7 +154,7 @@ class LiveText:
             if self.first_text_at is None:
                 self.first_text_at = time.perf_counter()
             if item.strip():  # only text that advances the utterance counts as activity
-                self._active_at = time.monotonic()
+                self._active_at = max(self._active_at, arrived)
             self.text += item
         if self.max_tokens is not None:
             self._check_tokens(self.max_tokens)
@@ -162,8 +168,9 @@ class LiveText:
         if count > limit:
             raise RequestError("text", f"text is {count} tokens long; at most {limit} are accepted")
 
-    def _check_time(self) -> None:
-        now = time.monotonic()
+    def _check_time(self, now: float) -> None:
+        """Fail if at monotonic time `now` the text is past its deadline or has not advanced for
+        longer than its idle timeout."""
         if self._ends_at is not None and now > self._ends_at:
             raise TextTimeout(f"the text did not end within {self.deadline:g} s (text_deadline)")
         if self.idle_timeout is not None and self._active_at is not None and now > self._active_at + self.idle_timeout:

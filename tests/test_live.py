@@ -247,6 +247,66 @@ def test_a_live_text_that_never_ends_meets_its_deadline(engines):
     _fails_while_fed(stream, feed, lambda: "word ", 0.05, "did not end within 0.8 s")
 
 
+class _Clock:
+    """A monotonic clock the test moves by hand (in place of kazeia.live's `time`)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+
+def _fed_at(clock: _Clock, feed: TextFeed, *deltas: tuple[float, str]) -> None:
+    for at, delta in deltas:
+        clock.now = at
+        feed.append(delta)
+
+
+def test_timeouts_count_when_text_arrived_not_when_a_busy_reader_took_it(engines, monkeypatch):
+    """A reader busy for longer than the idle timeout (a long segment to generate) still takes text
+    that arrived without a pause meanwhile; a pause, or text after the deadline, fails the text even
+    when the reader comes late to it."""
+    import kazeia.live
+
+    clock = _Clock()
+    monkeypatch.setattr(kazeia.live, "time", clock)
+    tokenizer = engines["0.6B-custom"].tokenizer
+
+    feed = TextFeed()
+    live = LiveText(tokenizer, feed, idle_timeout=0.5, deadline=5.0)
+    _fed_at(clock, feed, (0.0, "Hello "))
+    assert live._pull() and live.text == "Hello "  # the first wait, at 0
+    _fed_at(clock, feed, (0.4, "there, "), (0.6, " "), (0.8, "busy "), (1.2, "reader "))
+    clock.now = 4.0  # 2.8 s past the last advancing delta's arrival when the reader comes back
+    for _ in range(4):
+        assert live._pull()
+    assert live.text == "Hello there,  busy reader "
+    with pytest.raises(TextTimeout, match="no new text arrived for 0.5 s"):  # nothing queued now
+        live._pull()
+
+    feed = TextFeed()
+    live = LiveText(tokenizer, feed, idle_timeout=0.5, deadline=5.0)
+    _fed_at(clock, feed, (0.0, "One "))
+    assert live._pull()  # the first wait, at 0
+    _fed_at(clock, feed, (0.3, " "), (0.7, "two "))  # the blank at 0.3 advances nothing
+    with pytest.raises(TextTimeout, match="no new text arrived for 0.5 s"):
+        live._pull()  # " " is taken; "two " arrived 0.7 s after "One "
+        live._pull()
+
+    feed = TextFeed()
+    live = LiveText(tokenizer, feed, idle_timeout=0.5, deadline=1.0)
+    _fed_at(clock, feed, (0.0, "a "), (0.4, "b "), (0.8, "c "), (1.2, "d "))
+    clock.now = 0.0
+    assert live._pull()
+    clock.now = 9.0
+    assert live._pull() and live._pull() and live.text == "a b c "
+    with pytest.raises(TextTimeout, match="did not end within 1 s"):
+        live._pull()
+
+
 def test_closing_while_waiting_for_text_stops_everything(engines):
     feed = TextFeed()
     stream = engines["0.6B-custom"].stream(feed, **OPTIONS)
@@ -293,4 +353,4 @@ def test_empty_deltas_are_not_kept():
     for _ in range(10_000):
         feed.append("")
     feed.append("Hi")
-    assert feed.get(timeout=1) == "Hi" and feed._queue.empty()
+    assert feed.get(timeout=1)[1] == "Hi" and feed._queue.empty()
