@@ -440,7 +440,7 @@ def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest
             waiter.start()
             _until(lambda k=k: len(lanes._waiting) == k + 1)  # each has queued before the next
     for waiter in waiters:
-        waiter.join(5)
+        waiter.join(60)
     assert order == ["first", "soon", "late", "later"] and most[0] == 1
     two, inside = VocoderLanes(2), threading.Barrier(2, timeout=5)
 
@@ -452,7 +452,7 @@ def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest
     for thread in pair:
         thread.start()
     for thread in pair:
-        thread.join(5)
+        thread.join(60)
     assert not inside.broken
 
 
@@ -470,7 +470,7 @@ def test_a_stopped_stream_leaves_the_vocoder_queue_without_a_turn():
         quitter.start()
         _until(lambda: len(lanes._waiting) == 1)  # it has queued
         stop.set()
-        quitter.join(5)
+        quitter.join(60)
         assert results == [False]
     wait(False, lambda: False)  # its place is not held: the next one gets the lane
     assert results == [False, True]
@@ -489,7 +489,7 @@ def test_a_decode_hands_its_lane_to_a_first_chunk_at_a_pause_and_gets_it_back():
             for stage in range(stages):
                 order.append(f"{name}{stage}")
                 if name == "long" and stage == 0:
-                    queued.wait(5)  # the others have queued by now
+                    queued.wait(60)  # the others have queued by now
                 pause()
 
     long = threading.Thread(target=decode, args=("long", False, 1.0))
@@ -502,7 +502,7 @@ def test_a_decode_hands_its_lane_to_a_first_chunk_at_a_pause_and_gets_it_back():
         _until(lambda k=k: len(lanes._waiting) == k + 1)  # queued before the next
     queued.set()
     for thread in [long, *others]:
-        thread.join(5)
+        thread.join(60)
     # "later" has an earlier deadline than "long", yet does not take its lane: only first chunks do
     assert order == ["long0", "first0", "first1", "first2", "long1", "long2", "later0", "later1", "later2"]
 
@@ -525,16 +525,16 @@ def test_a_paused_decode_of_a_stopped_stream_ends_without_its_lane():
     def first() -> None:
         with lanes.turn(True, 0.0, lambda: False):
             stop.set()
-            release.wait(5)
+            release.wait(60)
 
     threads = [threading.Thread(target=decode), threading.Thread(target=first)]
     threads[0].start()
     while not lanes.decoding():
         time.sleep(0.001)
     threads[1].start()
-    threads[0].join(5)
+    threads[0].join(60)
     release.set()
-    threads[1].join(5)
+    threads[1].join(60)
     assert outcome == ["stopped"] and not lanes.decoding()
     with lanes.turn(False, 0.0, lambda: False) as pause:  # the lane was given back once, not twice
         assert pause is not None and lanes.decoding() and lanes._free == 0
@@ -650,7 +650,7 @@ def test_a_spare_lane_decodes_only_while_generation_waits():
             events.append("took")
             pause()  # generation still waits: goes on
             events.append("stage 1")
-            release.wait(5)  # generation has work again by now
+            release.wait(60)  # generation has work again by now
             pause()  # waits for it to end, or for a lane
             events.append("stage 2")
             resumed.set()
@@ -667,8 +667,8 @@ def test_a_spare_lane_decodes_only_while_generation_waits():
         lanes.generating(True)
         release.set()
         assert not resumed.wait(0.2)  # stopped at the pause while generation runs
-    assert resumed.wait(5) and events[-1] == "stage 2"  # the lane freed: it went on there
-    thread.join(5)
+    assert resumed.wait(60) and events[-1] == "stage 2"  # the lane freed: it went on there
+    thread.join(60)
     assert not lanes.decoding() and lanes._free == 1 and lanes._spare_free == 1
     stop = threading.Event()
     lanes.generating(False)
