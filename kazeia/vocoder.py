@@ -223,11 +223,12 @@ class Vocoder(nn.Module):
         weights, the transformer's and ConvNeXt's linears packed as the talker's. `int8`: the residual
         units' convolutions of the decoder blocks after the first (~65 % of a frame's multiply-adds)
         become `Tiled8` products; the earlier layers stay float32, as their errors grow the most on
-        the way to the audio, but for the first block's residual units, which take bfloat16 pairs
-        where the build has them, and the transformer's and ConvNeXt's linears, which read ~180 MB
-        of weights for a chunk's few positions and keep them as bfloat16 (`Tiled`'s `narrow`:
-        float32 arithmetic on the rounded weights; docs/design.md). Needs the native library and a
-        float32 `dtype`."""
+        the way to the audio, but for the first block's residual units and the later blocks'
+        transposed convs, which take bfloat16 pairs where the build has them (int8 inputs, one scale
+        a row, would cost a transposed conv 0.8-2.8 dB of SNR), and the transformer's and
+        ConvNeXt's linears, which read ~180 MB of weights for a chunk's few positions and keep them
+        as bfloat16 (`Tiled`'s `narrow`: float32 arithmetic on the rounded weights;
+        docs/design.md). Needs the native library and a float32 `dtype`."""
         lib = native.library() if torch.device(device).type == "cpu" else None
         if int8 and (lib is None or dtype != torch.float32):
             where = "a float32 dtype" if lib is not None else "the CPU with the native library (kazeia/native)"
@@ -251,9 +252,12 @@ class Vocoder(nn.Module):
         original (the pre-conv's stays: its device and dtype stand for the vocoder's)."""
         half = dtype == torch.bfloat16
         integer = _unit_convs(self.decoder[2:-2]) if int8 else set()  # decoder blocks after the first
-        # int8: the first block's units in bfloat16 pairs where the build has them (`Tiled`; any even
-        # width takes pairs there, so `vconv_pairs(2)` asks the build), else float32 as they are
-        paired = _unit_convs(self.decoder[1:2]) if int8 and lib.vconv_pairs(2) else set()
+        # int8: the first block's units and the later blocks' transposed convs in bfloat16 pairs
+        # where the build has them (`Tiled`; any even width takes pairs there, so `vconv_pairs(2)`
+        # asks the build), else float32 as they are
+        paired: set[int] = set()
+        if int8 and lib.vconv_pairs(2):
+            paired = _unit_convs(self.decoder[1:2]) | {id(block.block[1]) for block in self.decoder[2:-2]}
         self.float()
         fuse_projections(self.pre_transformer)
         # int8: the transformer's and ConvNeXt's linears (all of them) store bfloat16 weights
@@ -261,7 +265,9 @@ class Vocoder(nn.Module):
         for module in list(self.modules()):
             if isinstance(module, TimeMajorConv):
                 module.use_native(lib, half or id(module) in paired, module is self.pre_conv, id(module) in integer)
-            elif isinstance(module, (TimeMajorTransConv, Codebooks)):
+            elif isinstance(module, TimeMajorTransConv):
+                module.use_native(lib, half or id(module) in paired)
+            elif isinstance(module, Codebooks):
                 module.use_native(lib, half)
             elif isinstance(module, Depthwise):
                 module.use_native(lib)

@@ -158,9 +158,9 @@ def test_int8_vocoder_stays_close_to_float32(pair):
 
 def test_int8_vocoder_layers(pair):
     """The layer plan (kazeia/vocoder.py's `prepare`): int8 products for the residual units of the
-    blocks after the first; bfloat16 pairs for the first block's where the build has them (else
-    float32); bfloat16 weights for the transformer's and ConvNeXt's linears; float32 elsewhere, as
-    in the float32 vocoder."""
+    blocks after the first; bfloat16 pairs for the first block's and for the later blocks'
+    transposed convolutions where the build has them (else float32); bfloat16 weights for the
+    transformer's and ConvNeXt's linears; float32 elsewhere, as in the float32 vocoder."""
     float32, int8 = pair
     assert all(m.format == FLOAT32 for m in float32.modules() if isinstance(m, Tiled))
     first, later = int8.decoder[1], int8.decoder[2:-2]
@@ -170,8 +170,11 @@ def test_int8_vocoder_layers(pair):
     assert len(linears) > 0 and all(t.format == NARROW_BF16 for t in linears)
     pairs = PAIRS_BF16 if native.library().vconv_pairs(2) else FLOAT32
     unit_convs = [conv.native for unit in first.block[2:] for conv in (unit.conv1, unit.conv2)]
-    assert all(t.format == pairs for t in unit_convs)
-    others = [m for m in int8.modules() if isinstance(m, Tiled) and not any(m is t for t in linears + unit_convs)]
+    transposed = [block.block[1].native for block in later]
+    assert len(unit_convs) == 6 and len(transposed) == len(later) > 0
+    assert all(t.format == pairs for t in unit_convs + transposed)
+    paired = unit_convs + transposed
+    others = [m for m in int8.modules() if isinstance(m, Tiled) and not any(m is t for t in linears + paired)]
     assert len(others) > 0 and all(t.format == FLOAT32 for t in others)
 
 
