@@ -442,7 +442,7 @@ def test_vocoder_lanes_bound_the_decodes_and_serve_first_chunks_then_the_soonest
     for waiter in waiters:
         waiter.join(60)
     assert order == ["first", "soon", "late", "later"] and most[0] == 1
-    two, inside = VocoderLanes(2), threading.Barrier(2, timeout=5)
+    two, inside = VocoderLanes(2), threading.Barrier(2, timeout=60)
 
     def both() -> None:
         with two.turn(False, 0.0, lambda: False):

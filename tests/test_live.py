@@ -292,9 +292,9 @@ def test_timeouts_count_when_text_arrived_not_when_a_busy_reader_took_it(engines
     _fed_at(clock, feed, (0.0, "One "))
     assert live._pull()  # the first wait, at 0
     _fed_at(clock, feed, (0.3, " "), (0.7, "two "))  # the blank at 0.3 advances nothing
+    assert live._pull() and live.text == "One  "  # the blank is taken
     with pytest.raises(TextTimeout, match="no new text arrived for 0.5 s"):
-        live._pull()  # " " is taken; "two " arrived 0.7 s after "One "
-        live._pull()
+        live._pull()  # "two " arrived 0.7 s after "One "
 
     feed = TextFeed()
     live = LiveText(tokenizer, feed, idle_timeout=0.5, deadline=1.0)
