@@ -214,7 +214,6 @@ SIGNATURES = {  # argument and result types of the C functions (pointers: tensor
     "vconv8_kernel": ([], _INT),
     "gemv_team": ([*[_P] * 4, _LONG, _LONG, _INT, _INT, _INT], _INT),
     "gemv_vector_bits": ([], _INT),
-    "gemv_bf16_dot": ([], _INT),
     "int4_gemv": ([*[_P] * 7, _LONG, _LONG, _LONG], _INT),
     "int4_gemm": ([*[_P] * 7, _LONG, _LONG, _LONG, ctypes.c_int], _INT),
     "int4_kernel": ([], _INT),

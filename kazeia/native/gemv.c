@@ -23,7 +23,6 @@
 
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -50,9 +49,6 @@ int gemv_vector_bits(void) {
     return 0;
 #endif
 }
-
-/* Whether bfloat16 pairs use AVX512_BF16's dot product in this build. */
-int gemv_bf16_dot(void) { return PAIR_DOT; }
 
 /* ---- weight loads widened to float32 vectors ------------------------------------------------ */
 #if defined(__AVX512F__)
