@@ -265,10 +265,8 @@ class Vocoder(nn.Module):
         for module in list(self.modules()):
             if isinstance(module, TimeMajorConv):
                 module.use_native(lib, half or id(module) in paired, module is self.pre_conv, id(module) in integer)
-            elif isinstance(module, TimeMajorTransConv):
+            elif isinstance(module, (TimeMajorTransConv, Codebooks)):
                 module.use_native(lib, half or id(module) in paired)
-            elif isinstance(module, Codebooks):
-                module.use_native(lib, half)
             elif isinstance(module, Depthwise):
                 module.use_native(lib)
             elif isinstance(module, (SnakeBeta, WindowBlock, Transformer, ConvNeXt)):
